@@ -1,0 +1,56 @@
+"""The ``draftlab`` console command. Each subcommand lives with its stage and exposes
+``add_arguments(parser)`` and ``run(args)``; this file only wires them up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from draftlab.errors import DraftlabError
+
+# name -> (module, help)
+SUBCOMMANDS = {
+    "capture": ("draftlab.data.capture", "capture target hidden states into offline shards"),
+    "train": ("draftlab.train.eagle", "train a drafter from a recipe YAML (same as train/eagle.py)"),
+    "eval": ("draftlab.inference.evaluate", "speculative decoding acceptance report (alpha_j, tau, speedup)"),
+    "generate": ("draftlab.inference.generate", "interactive speculative generation with live acceptance"),
+    "export": ("draftlab.export.cli", "export a checkpoint for vLLM, SGLang or HF"),
+    "import": ("draftlab.export.importer", "import a speculators / SGLang / EAGLE / Medusa checkpoint"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="draftlab", description="Train, evaluate and export speculative-decoding drafters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    if argv and argv[0] in SUBCOMMANDS:  # import only the module that runs
+        names = [argv[0]]
+    else:
+        names = list(SUBCOMMANDS)
+    modules = {}
+    for name in names:
+        module_name, help_ = SUBCOMMANDS[name]
+        p = sub.add_parser(name, help=help_)
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # stage not built in this version
+        modules[name].add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command not in modules:
+        parser.error(f"'{args.command}' is not available in this version")
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except DraftlabError as e:
+        print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"draftlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

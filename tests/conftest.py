@@ -1,0 +1,25 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from tiny import make_tiny_target_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dirs(tmp_path_factory):
+    """family -> directory of a tiny random model with a ChatML tokenizer (built once)."""
+    root = tmp_path_factory.mktemp("targets")
+    return {f: make_tiny_target_dir(root / f, f) for f in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_target_dirs):
+    from draftlab.models.target import Target
+
+    return Target.load(str(tiny_target_dirs["llama"]))
