@@ -1,0 +1,249 @@
+"""``draftlab eval``: acceptance (a_j, alpha_j, tau) and speedup of a drafter on a prompt set.
+
+For every prompt the plain baseline and speculative decoding run back to back in the same
+process, on the same prompt with the same ``max_new_tokens`` and sampling settings, so the
+speedup compares like with like (methods.md). One untimed warm-up generation of each kind runs
+first (allocator, kernel compilation). Metrics come from :mod:`draftlab.inference.metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from draftlab.errors import DraftlabError
+from draftlab.inference.decoder import METHODS, SpeculativeDecoder, generate_plain
+from draftlab.inference.metrics import AcceptanceStats
+from draftlab.inference.prompts import DATA_SETS, EvalPrompt
+from draftlab.inference.proposer import Proposer, TreeSpec
+
+
+class _Totals:
+    """Accumulates runs of one group (all prompts, or one category)."""
+
+    def __init__(self):
+        self.stats = AcceptanceStats()
+        self.prompts = 0
+        self.tokens = self.base_tokens = 0
+        self.time = self.base_time = self.draft_time = self.verify_time = self.prefill_time = 0.0
+        self.matched = self.compared = 0
+
+    def add(self, spec, base, compare: bool) -> None:
+        self.prompts += 1
+        self.stats.merge(spec.stats())
+        self.tokens += len(spec.tokens)
+        self.time += spec.total_time
+        self.draft_time += spec.draft_time
+        self.verify_time += spec.verify_time
+        self.prefill_time += spec.prefill_time
+        if base is not None:
+            self.base_tokens += len(base.tokens)
+            self.base_time += base.total_time
+            if compare:
+                self.compared += 1
+                self.matched += int(spec.tokens == base.tokens)
+
+    def to_dict(self, baseline: bool) -> dict:
+        tps = self.tokens / self.time if self.time > 0 else 0.0
+        base_tps = self.base_tokens / self.base_time if baseline and self.base_time > 0 else None
+        return {
+            "num_prompts": self.prompts,
+            **self.stats.to_dict(),
+            "new_tokens": self.tokens,
+            "tokens_per_s": tps,
+            "baseline_tokens_per_s": base_tps,
+            "speedup": tps / base_tps if base_tps else None,
+            "greedy_match": f"{self.matched}/{self.compared}" if self.compared else None,
+            "draft_time_s": self.draft_time,
+            "verify_time_s": self.verify_time,
+            "prefill_time_s": self.prefill_time,
+            "total_time_s": self.time,
+            "baseline_new_tokens": self.base_tokens if baseline else None,
+            "baseline_time_s": self.base_time if baseline else None,
+        }
+
+
+def evaluate(
+    target,
+    proposer: Proposer,
+    prompts: list[EvalPrompt],
+    method: str = "chain",
+    k: int = 5,
+    tree: TreeSpec | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id=None,
+    baseline: bool = True,
+    warmup: bool = True,
+    backend: str = "auto",
+    data: str | None = None,
+    label: str | None = None,
+    progress=None,
+) -> dict:
+    """Run every prompt (prompt i uses seed ``seed + i``) and return the report dict.
+    ``progress(i, n, spec_result)`` is called after each prompt when given."""
+    if not prompts:
+        raise DraftlabError("evaluation needs at least one prompt")
+    tree = tree or TreeSpec()
+    decoder = SpeculativeDecoder(target, proposer, backend=backend)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+    shape = dict(method=method, k=k, tree=tree)
+    if warmup:
+        n = min(max_new_tokens, 16)
+        generate_plain(target, prompts[0].prompt_ids, n, seed=seed, **sampling)
+        decoder.generate(prompts[0].prompt_ids, n, seed=seed, **shape, **sampling)
+    compare = baseline and temperature == 0.0
+    total, by_cat = _Totals(), {}
+    per_prompt = []
+    for i, p in enumerate(prompts):
+        base = generate_plain(target, p.prompt_ids, max_new_tokens, seed=seed + i, **sampling) if baseline else None
+        spec = decoder.generate(p.prompt_ids, max_new_tokens, seed=seed + i, **shape, **sampling)
+        for group in (total, by_cat.setdefault(p.category, _Totals())):
+            group.add(spec, base, compare)
+        per_prompt.append(
+            {
+                "id": p.id,
+                "category": p.category,
+                "prompt_tokens": len(p.prompt_ids),
+                "new_tokens": len(spec.tokens),
+                "tau": spec.stats().tau,
+                "tokens_per_s": spec.tokens_per_s,
+                "baseline_tokens_per_s": base.tokens_per_s if base else None,
+                "matched": (spec.tokens == base.tokens) if compare else None,
+            }
+        )
+        if progress is not None:
+            progress(i, len(prompts), spec)
+    return {
+        "label": label,
+        "drafter": proposer.name,
+        "target": dict(getattr(target, "identity", {})),
+        "data": data,
+        "method": method,
+        "k": k if method == "chain" else None,
+        "tree": vars(tree).copy() if method == "tree" else None,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": seed,
+        "device": _device_name(target.device),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **total.to_dict(baseline),
+        "categories": {c: t.to_dict(baseline) for c, t in sorted(by_cat.items())},
+        "prompts": per_prompt,
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# ---------------------------------------------------------------------- CLI
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``draftlab eval`` and ``draftlab generate``."""
+    p.add_argument("--drafter", required=True, help="drafter checkpoint directory, or 'ngram' (prompt lookup)")
+    p.add_argument("--target", default="default", help="HF dir, hub id, .gguf file or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--method", choices=METHODS, default="chain")
+    p.add_argument("--k", type=int, default=5, help="chain: drafts per step")
+    p.add_argument("--tree-depth", type=int, default=TreeSpec.depth)
+    p.add_argument("--tree-topk", type=int, default=TreeSpec.top_k)
+    p.add_argument("--tree-total", type=int, default=TreeSpec.total_tokens, help="tree: draft nodes per step")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"], help="verify kernels")
+    p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram to match")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram to match")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument(
+        "--data", default="spec-bench", help=f"prompt set: {', '.join(DATA_SETS)} or a .jsonl file (messages or Spec-Bench form)"
+    )
+    p.add_argument("--recipe", default=None, help="sharegpt-heldout: take the data split from this recipe YAML")
+    p.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts, round-robin over categories")
+    p.add_argument("--report", default=None, help="write the JSON report here (plus .md and .png next to it)")
+    p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no greedy match)")
+
+
+def load_models(args) -> tuple:
+    """(target, proposer) from the shared flags."""
+    from draftlab.models.target import Target
+
+    if args.method == "chain" and args.k < 1:
+        raise DraftlabError(f"--k must be >= 1, got {args.k}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = Target.load(args.target, dtype=args.dtype, device=device)
+    if args.drafter == "ngram":
+        from draftlab.inference.ngram import NgramProposer
+
+        if not 1 <= args.ngram_min <= args.ngram_max:
+            raise DraftlabError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
+        return target, NgramProposer(args.ngram_max, args.ngram_min)
+    if not Path(args.drafter).is_dir():
+        raise DraftlabError(f"--drafter: no checkpoint directory at {args.drafter} (or pass 'ngram')")
+    try:
+        from draftlab.registry import load_proposer
+    except ImportError as e:
+        raise DraftlabError("loading drafter checkpoints needs draftlab.registry, not available in this version") from e
+    return target, load_proposer(args.drafter, target)
+
+
+def tree_spec(args) -> TreeSpec:
+    return TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
+
+
+def run(args) -> int:
+    from draftlab.inference.prompts import load_prompts
+    from draftlab.inference.report import markdown_table, write_report
+
+    data_spec = None
+    if args.recipe:
+        from draftlab.recipe import load_recipe
+
+        data_spec = load_recipe(args.recipe).data
+    target, proposer = load_models(args)
+    prompts = load_prompts(args.data, target.tokenizer, args.num_prompts, data_spec=data_spec)
+
+    def progress(i, n, res):
+        print(f"[{i + 1}/{n}] tau={res.stats().tau:.2f} {res.tokens_per_s:.1f} tok/s", flush=True)
+
+    report = evaluate(
+        target,
+        proposer,
+        prompts,
+        method=args.method,
+        k=args.k,
+        tree=tree_spec(args),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=target.tokenizer.eos_token_id,
+        baseline=not args.no_baseline,
+        backend=args.backend,
+        data=args.data,
+        label=Path(args.drafter).name,
+        progress=progress,
+    )
+    print(markdown_table(report), end="")
+    if args.report:
+        paths = write_report(report, args.report)
+        print(f"report: {', '.join(str(p) for p in paths.values())}")
+    return 0

@@ -1,0 +1,117 @@
+"""Acceptance reports on disk: JSON (atomic), a Markdown table and a PNG of alpha_j by position.
+
+A report is the dict :func:`draftlab.inference.evaluate.evaluate` returns. Training writes one
+after each checkpoint and passes the earlier ones as ``history``: the plot then shows one
+alpha_j curve per checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(report: dict, path) -> Path:
+    path = Path(path)
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
+    return path
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown_table(report: dict) -> str:
+    """One row per category plus ``all``: prompts, tau, alpha_1..alpha_K, tokens/s, speedup."""
+    rows = [("all", report)] + sorted(report.get("categories", {}).items())
+    k = max((len(r.get("alpha", [])) for _, r in rows), default=0)
+    head = ["category", "prompts", "tau"] + [f"α{j}" for j in range(1, k + 1)] + ["tok/s", "base tok/s", "speedup", "greedy match"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in rows:
+        alpha = list(r.get("alpha", [])) + [None] * (k - len(r.get("alpha", [])))
+        cells = [name, _fmt(r.get("num_prompts")), _fmt(r.get("tau"))] + [_fmt(a) for a in alpha]
+        cells += [_fmt(r.get("tokens_per_s"), 1), _fmt(r.get("baseline_tokens_per_s"), 1), _fmt(r.get("speedup")), _fmt(r.get("greedy_match"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _describe(report: dict) -> str:
+    if report.get("method") == "tree":
+        t = report.get("tree") or {}
+        shape = f"tree depth={t.get('depth')} top_k={t.get('top_k')} total={t.get('total_tokens')}"
+    else:
+        shape = f"chain k={report.get('k')}"
+    return (
+        f"drafter `{report.get('drafter')}`, {shape}, data `{report.get('data')}`, "
+        f"temperature {report.get('temperature')}, max_new_tokens {report.get('max_new_tokens')}"
+    )
+
+
+def markdown(report: dict) -> str:
+    title = report.get("label") or "Acceptance report"
+    return f"# {title}\n\n{_describe(report)}\n\n{markdown_table(report)}"
+
+
+def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Path:
+    """PNG of alpha_j by position j, one curve per report (e.g. per checkpoint)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    try:
+        for i, r in enumerate(reports):
+            label = (labels[i] if labels else None) or r.get("label") or f"report {i}"
+            pts = [(j + 1, a) for j, a in enumerate(r.get("alpha", [])) if a is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=f"{label} (τ={r.get('tau', 0):.2f})")
+        ax.set_xlabel("draft position j")
+        ax.set_ylabel("α_j = a_j / a_{j-1}")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if reports:
+            ax.set_title(_describe(reports[-1]), fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_report(report: dict, path, history: list[dict] | None = None) -> dict[str, Path]:
+    """Write ``path`` (JSON) plus ``.md`` and ``.png`` siblings. The plot has one curve per
+    report of ``history`` (earlier checkpoints, oldest first) and one for ``report``."""
+    path = Path(path)
+    out = {"json": write_json(report, path)}
+    md = path.with_suffix(".md")
+    _atomic_write(md, lambda tmp: Path(tmp).write_text(markdown(report)))
+    out["markdown"] = md
+    out["plot"] = plot_alpha(list(history or []) + [report], path.with_suffix(".png"))
+    return out

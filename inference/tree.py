@@ -1,0 +1,140 @@
+"""Draft-tree utilities: turn a :class:`DraftTree` into the inputs of one tree-verify forward
+(tokens, ancestor-only attention, depth positions) and map the verifier's accepted path back
+to KV-cache slots. Static (Medusa-style) trees given as choice tuples are turned into the same
+parents/depth form, so dynamic and static trees share one verify path.
+
+Node numbering everywhere: node 0 is the root (the last verified token, not yet in the KV
+cache), draft i of the tree is node i + 1, and a parent always precedes its children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftlab.inference.proposer import DraftTree
+
+
+def validate_tree(tree: DraftTree, vocab_size: int | None = None) -> None:
+    """Reject a malformed tree early: a wrong tree silently breaks losslessness or the cache."""
+    n = tree.tokens.numel()
+    if tree.parents.shape != (n,) or tree.depth.shape != (n,) or tree.tokens.shape != (n,):
+        raise ValueError(f"draft tree: tokens, parents and depth must all be 1-D of length {n}")
+    if n == 0:
+        return
+    node = torch.arange(1, n + 1, device=tree.parents.device)
+    if bool(((tree.parents < 0) | (tree.parents >= node)).any()):
+        raise ValueError("draft tree: every parent must be an earlier node (0 = root)")
+    full_depth = torch.cat([tree.depth.new_zeros(1), tree.depth])
+    if not torch.equal(tree.depth, full_depth[tree.parents] + 1):
+        raise ValueError("draft tree: depth must be the parent's depth + 1")
+    if vocab_size is not None and bool(((tree.tokens < 0) | (tree.tokens >= vocab_size)).any()):
+        raise ValueError("draft tree: token id outside the target vocabulary")
+    # Multi-candidate verification removes a rejected sibling's token from p: siblings must differ.
+    key = tree.parents * (int(tree.tokens.max()) + 1) + tree.tokens
+    if key.unique().numel() != n:
+        raise ValueError("draft tree: siblings must carry distinct tokens")
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Bool[N, N] over all nodes (root included, ``parents[0] == -1``): row i is True at i and
+    at every ancestor of i (so at the root too). Equals ``eye(N)``, column 0 set, each row OR its
+    parent's row."""
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
+    cur = parents.clone()
+    while bool((cur >= 0).any()):  # one pass per tree level
+        live = cur >= 0
+        mask[rows[live], cur[live]] = True
+        cur = torch.where(live, parents[cur.clamp(min=0)], cur)
+    return mask
+
+
+@dataclass
+class TreeVerifyInputs:
+    """One tree-verify forward, root included (N + 1 nodes)."""
+
+    tokens: torch.Tensor  # Long[N+1]: root token, then the drafts
+    parents: torch.Tensor  # Long[N+1]: -1 for the root
+    depth: torch.Tensor  # Long[N+1]: 0 for the root
+    mask: torch.Tensor  # Bool[N+1, N+1] ancestor-only attention among the new tokens
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def attn_mask(self, past: int) -> torch.Tensor:
+        """Bool[1, N+1, past+N+1] for ``Target.forward``: the whole cached prefix, then the tree."""
+        n = self.tokens.numel()
+        prefix = torch.ones(n, past, dtype=torch.bool, device=self.mask.device)
+        return torch.cat([prefix, self.mask], dim=1)[None]
+
+    def position_ids(self, past: int) -> torch.Tensor:
+        """Long[1, N+1]: cache length + depth (the root sits at position ``past``)."""
+        return (past + self.depth)[None]
+
+
+def tree_verify_inputs(root_token: int, tree: DraftTree) -> TreeVerifyInputs:
+    device = tree.tokens.device
+    tokens = torch.cat([torch.tensor([root_token], dtype=torch.long, device=device), tree.tokens.long()])
+    parents = torch.cat([torch.tensor([-1], dtype=torch.long, device=device), tree.parents.long()])
+    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depth.long()])
+    return TreeVerifyInputs(tokens, parents, depth, ancestor_mask(parents))
+
+
+def accepted_slots(start: int, path: torch.Tensor, num_accepted: int) -> torch.Tensor:
+    """Absolute KV-cache slots of the kept path (root + ``num_accepted`` nodes): the tree's node
+    n was written at slot ``start + n``; ascending because a parent precedes its children."""
+    return start + path[: num_accepted + 1].long()
+
+
+@dataclass
+class StaticTree:
+    """A fixed tree shape given as Medusa-style choices: each tuple is a path of per-level
+    candidate ranks from the root, e.g. ``[(0,), (1,), (0, 0), (0, 1)]``. Node order: by
+    depth, then lexicographic (parents first), node i + 1 = ``choices[i]`` after sorting."""
+
+    choices: list[tuple[int, ...]]
+    parents: torch.Tensor  # Long[N], 0 = root
+    depth: torch.Tensor  # Long[N]
+    rank: torch.Tensor  # Long[N]: candidate rank at the node's own level (last entry of its path)
+
+    @classmethod
+    def from_choices(cls, choices) -> "StaticTree":
+        paths = sorted({tuple(int(c) for c in ch) for ch in choices}, key=lambda p: (len(p), p))
+        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
+            raise ValueError("static tree: choices must be non-empty tuples of non-negative ranks")
+        index = {p: i + 1 for i, p in enumerate(paths)}
+        parents = []
+        for p in paths:
+            if len(p) > 1 and p[:-1] not in index:
+                raise ValueError(f"static tree: choice {p} has no parent {p[:-1]}")
+            parents.append(index[p[:-1]] if len(p) > 1 else 0)
+        return cls(
+            paths,
+            torch.tensor(parents, dtype=torch.long),
+            torch.tensor([len(p) for p in paths], dtype=torch.long),
+            torch.tensor([p[-1] for p in paths], dtype=torch.long),
+        )
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.rank.max()) + 1
+
+    def draft(self, candidates: torch.Tensor) -> DraftTree:
+        """Fill the shape from per-level candidates ``Long[D, K]`` (row d = the ranked tokens for
+        depth d + 1, e.g. Medusa head d's top-K): node tokens are ``candidates[depth-1, rank]``.
+        Distinct candidates per row keep siblings distinct."""
+        if candidates.shape[0] < self.max_depth or candidates.shape[1] < self.max_rank:
+            raise ValueError(
+                f"static tree needs candidates of at least [{self.max_depth}, {self.max_rank}], got {list(candidates.shape)}"
+            )
+        dev = candidates.device
+        tokens = candidates[self.depth.to(dev) - 1, self.rank.to(dev)]
+        return DraftTree(tokens, self.parents.to(dev), self.depth.to(dev))

@@ -1,0 +1,80 @@
+"""EAGLE objectives as pure functions of tensors.
+
+Alignment convention (one place, used by both EAGLE-1 and EAGLE-3):
+the drafter's input at position t is (token x_{t+1}, feature f_t). At TTT step i its output at
+position t imitates the target's next-token distribution at position s = t + 1 + i (which
+predicts x_{t+2+i}). A position counts when the *predicted* token x_{t+2+i} is an assistant
+token, i.e. ``loss_mask[t + 2 + i]`` — this is the correctly shifted mask (the reference code
+is off by one, EAGLE issue #317). Losses are normalised by the mask sum, not ``.mean()``
+(EAGLE issue #340).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """Position t of the result holds x[:, t + n]; the last n positions are ``fill``."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def predicted_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """Positions t whose step-``step`` prediction (token x_{t+2+step}) is an assistant token."""
+    return shift_left(loss_mask.bool(), 2 + step, fill=False)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """-sum_v p_v log q_v per position (no reduction over positions)."""
+    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def topk_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, k: int) -> torch.Tensor:
+    """HASS's top-K distillation term: -sum_{v in topK(p)} p_v log q_v per position."""
+    p, idx = target_probs.topk(k, dim=-1)
+    return -(p * F.log_softmax(logits.float(), dim=-1).gather(-1, idx)).sum(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def eagle1_loss(
+    pred_feat: torch.Tensor,
+    target_feat: torch.Tensor,
+    pred_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    feature_weight: float = 1.0,
+    ce_weight: float = 0.1,
+) -> tuple[torch.Tensor, dict]:
+    """EAGLE-1: SmoothL1 feature regression + soft CE to the target's distribution.
+
+    All tensors are already aligned: position t compares the drafter's prediction with the
+    target's feature/logits at t + 1, ``mask`` selects positions that count."""
+    l_feat = masked_mean(F.smooth_l1_loss(pred_feat, target_feat, reduction="none").mean(-1), mask)
+    l_ce = masked_mean(soft_cross_entropy(pred_logits, F.softmax(target_logits.float(), -1)), mask)
+    with torch.no_grad():
+        acc = masked_mean((pred_logits.argmax(-1) == target_logits.argmax(-1)).float(), mask)
+    loss = feature_weight * l_feat + ce_weight * l_ce
+    return loss, {"loss_feat": l_feat.item(), "loss_ce": l_ce.item(), "acc": [acc.item()]}
+
+
+def eagle3_step_loss(
+    logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    mask: torch.Tensor,
+    topk_weight: float = 0.0,
+    topk: int = 10,
+) -> torch.Tensor:
+    """One TTT step: soft CE against the target's distribution restricted to the draft vocab,
+    plus HASS's optional top-K term, averaged over ``mask``."""
+    per_pos = soft_cross_entropy(logits, target_probs)
+    if topk_weight:
+        per_pos = per_pos + topk_weight * topk_cross_entropy(logits, target_probs, topk)
+    return masked_mean(per_pos, mask)

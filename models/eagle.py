@@ -1,0 +1,325 @@
+"""EAGLE-1 and EAGLE-3 feature drafters (see ../shared/docs/methods.md).
+
+Both read target hidden states, take (embedding of x_{t+1}, feature f_t) at position t, run
+``num_layers`` decoder layers of the target's family and predict x_{t+2}. The target's
+embedding (and, for EAGLE-1, its lm_head) are shared by reference, frozen and never saved
+in a drafter checkpoint: a drafter is always used next to its target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from draftlab.errors import DraftlabError
+from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, masked_mean, predicted_mask, shift_left
+from draftlab.models.drafter import Drafter, register
+from draftlab.models.layers import DecoderLayer, DraftKVCache, LayerShape, RMSNorm, Rotary, ttt_attention
+
+
+class EagleBase(Drafter):
+    """What EAGLE-1 and EAGLE-3 share: layer stack, RoPE, cached inference step, target refs."""
+
+    def __init__(self, shape: LayerShape, vocab_size: int, num_layers: int, first_layer: DecoderLayer):
+        super().__init__()
+        self.shape = shape
+        self.vocab_size = vocab_size
+        self.layers = nn.ModuleList([first_layer] + [DecoderLayer(shape) for _ in range(num_layers - 1)])
+        self.rotary = Rotary(shape)
+
+    def attach(self, target) -> "EagleBase":
+        """Share the target's frozen embedding (and lm_head) by reference — not registered as
+        submodules, so they are neither trained, wrapped by DDP/FSDP, nor checkpointed."""
+        object.__setattr__(self, "_embed", target.embed_tokens)
+        object.__setattr__(self, "_target_lm_head", target.lm_head)
+        self.to(device=target.device)
+        return self
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._embed(ids)
+
+    def stack(self, emb, h, positions, attend_for_layer):
+        cos, sin = self.rotary(positions, h)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attend_for_layer(i, layer.self_attn), emb=emb)
+        return h
+
+    # ---- inference -------------------------------------------------------------
+    def new_cache(self) -> DraftKVCache:
+        return DraftKVCache(len(self.layers))
+
+    def draft_step(self, tokens, feats, positions, cache: DraftKVCache, mask=None):
+        """Run new positions through the drafter, appending their K/V to ``cache``.
+        mask: bool [B, n, cache.length + n] (tree drafting); default causal over cache + new.
+        Returns (output features [B, n, H], logits over the draft vocab [B, n, V_draft])."""
+        n, past = tokens.shape[1], cache.length
+        if mask is None and n > 1:
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=tokens.device).tril(past)[None]
+
+        def attend_for_layer(i, attn):
+            def attend(q, k, v):
+                k, v = cache.append(i, k, v)
+                return attn.attend(q, k, v, mask=mask)
+
+            return attend
+
+        h = self.stack(self.embed(tokens), feats, positions, attend_for_layer)
+        return h, self.head(h)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def proposer(self):
+        from draftlab.inference.eagle import EagleProposer
+
+        return EagleProposer(self)
+
+    def head(self, h):
+        raise NotImplementedError
+
+
+# ============================================================================ EAGLE-3
+
+
+class Eagle3Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_layers: int = Field(1, ge=1)
+    draft_vocab_size: int = Field(8192, ge=0, description="0 = the full target vocabulary")
+    aux_layers: list[int] | None = Field(None, description="hidden-state indices to fuse; default [2, L//2, L-3]")
+    init_lm_head_from_target: bool = Field(True, description="start lm_head from the target's rows of the draft vocab")
+
+
+class Eagle3Loss(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
+    decay: float = Field(0.8, gt=0, description="step i is weighted decay**i")
+    topk_weight: float = Field(0.0, ge=0, description="HASS top-K distillation term weight (0 = off)")
+    topk: int = Field(10, ge=1)
+    detach_features: bool = Field(
+        False, description="HASS harmonized context alignment: later steps see detached drafter features"
+    )
+
+
+@register
+class Eagle3Drafter(EagleBase):
+    algorithm = "eagle3"
+    Config = Eagle3Config
+    Loss = Eagle3Loss
+
+    def __init__(self, shape: LayerShape, vocab_size: int, draft_vocab_size: int, aux_layers: list[int], num_layers: int):
+        super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, fuse_embedding=True))
+        H = shape.hidden_size
+        self.aux_layers = list(aux_layers)
+        self.num_target_layers = None  # set by build/from_meta; hidden[L] gives the target logits
+        self.fc = nn.Linear(len(aux_layers) * H, H, bias=False)
+        self.norm = RMSNorm(H, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+
+    # ---- construction -------------------------------------------------------
+    @classmethod
+    def build(cls, cfg: Eagle3Config, target, samples=None) -> "Eagle3Drafter":
+        from draftlab.data.vocab import build_draft_vocab
+
+        L, V = target.num_layers, target.vocab_size
+        aux = cfg.aux_layers or target.eagle3_layers()
+        for i in aux:
+            if not 0 <= i <= L:
+                raise DraftlabError(f"drafter.aux_layers: {i} is outside 0..{L} for this target")
+        vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
+        m = cls(LayerShape.from_hf(target.config), V, vd, aux, cfg.num_layers)
+        m.num_target_layers = L
+        if vd < V:
+            if not samples:
+                raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
+            d2t, t2d = build_draft_vocab(samples, V, vd)
+        else:
+            d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+        m.d2t.copy_(d2t)
+        m.t2d.copy_(t2d)
+        if cfg.init_lm_head_from_target:
+            with torch.no_grad():
+                m.lm_head.weight.copy_(target.lm_head.weight[m.t2d.to(target.device)].float())
+        return m.attach(target)
+
+    def meta(self) -> dict:
+        return {
+            "shape": self.shape.model_dump(),
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.lm_head.out_features,
+            "aux_layers": self.aux_layers,
+            "num_layers": len(self.layers),
+            "num_target_layers": self.num_target_layers,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict, target) -> "Eagle3Drafter":
+        m = cls(LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"])
+        m.num_target_layers = meta["num_target_layers"]
+        return m.attach(target)
+
+    # ---- features -----------------------------------------------------------------
+    @property
+    def capture_layers(self) -> list[int]:
+        return sorted(set(self.aux_layers) | {self.num_target_layers})
+
+    def features(self, hidden):
+        return self.fc(torch.cat([hidden[i] for i in self.aux_layers], dim=-1))
+
+    def head(self, h):
+        return self.lm_head(self.norm(h))
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def target_distribution(self, final_hidden: torch.Tensor, chunk: int = 1024):
+        """From hidden[L]: the target's probabilities restricted to the draft vocab [B, T, Vd]
+        and whether its full-vocab argmax lies inside the draft vocab [B, T]. Chunked so the
+        full-vocab logits of a long batch never sit in memory at once."""
+        W = self._target_lm_head.weight
+        flat = final_hidden.reshape(-1, final_hidden.shape[-1])
+        probs, in_vocab, argmax = [], [], []
+        for x in flat.split(chunk):
+            logits = F.linear(x, W).float()
+            top = logits.argmax(-1)
+            argmax.append(top)
+            in_vocab.append(self.t2d[top])
+            probs.append(logits[:, self.t2d].softmax(-1))
+        shape = final_hidden.shape[:-1]
+        return torch.cat(probs).view(*shape, -1), torch.cat(in_vocab).view(shape), torch.cat(argmax).view(shape)
+
+    # ---- training ----------------------------------------------------------------------
+    def unroll(self, ids, hidden, steps: int, detach: bool = False):
+        """Training-time test: yield (step i, output features [B, T, H]) for i < steps.
+
+        Step i at position t reads the true token x_{t+1+i} and the previous step's output at t
+        (the real fused feature at step 0), sits at RoPE position t + i, and attends to the real
+        context k0[0..t] plus its own earlier steps at t — what inference sees when the drafter
+        proposes its (i+1)-th token after position t."""
+        B, T = ids.shape
+        positions = torch.arange(T, device=ids.device).expand(B, T)
+        ks = [[] for _ in self.layers]
+        vs = [[] for _ in self.layers]
+
+        def attend_for_layer(i, attn):
+            def attend(q, k, v):
+                ks[i].append(k)
+                vs[i].append(v)
+                if len(ks[i]) == 1:  # step 0: ordinary causal attention over the real context
+                    return attn.attend(q, k, v, causal=True)
+                return ttt_attention(q, ks[i], vs[i], attn.scale)
+
+            return attend
+
+        h = self.features(hidden)
+        tokens = shift_left(ids, 1)  # x_{t+1}
+        for i in range(steps):
+            feats = h.detach() if (detach and i > 0) else h
+            h = self.stack(self.embed(tokens), feats, positions + i, attend_for_layer)
+            yield i, h
+            tokens = shift_left(tokens, 1)
+
+    def training_loss(self, batch, hidden, cfg: Eagle3Loss):
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        T = ids.shape[1]
+        p, in_vocab, target_argmax = self.target_distribution(hidden[self.num_target_layers])
+        loss = p.new_zeros(())
+        step_loss, step_acc = [], []
+        for i, h in self.unroll(ids, hidden, min(cfg.ttt_steps, T - 2), cfg.detach_features):
+            # Only positions t <= T-3-i have both a target (index t+1+i) and a predicted token
+            # (index t+2+i) inside the sequence: slice views instead of padded copies.
+            n = T - 2 - i
+            logits = self.head(h[:, :n])
+            counted = loss_mask[:, 2 + i :]  # the predicted token x_{t+2+i} is an assistant token
+            target = p[:, 1 + i : 1 + i + n]
+            li = eagle3_step_loss(logits, target, counted & in_vocab[:, 1 + i : 1 + i + n], cfg.topk_weight, cfg.topk)
+            loss = loss + cfg.decay**i * li
+            with torch.no_grad():
+                hit = self.to_target_ids(logits.argmax(-1)) == target_argmax[:, 1 + i : 1 + i + n]
+                step_acc.append(masked_mean(hit.float(), counted).item())
+            step_loss.append(li.item())
+        return loss, {"loss_steps": step_loss, "acc": step_acc}
+
+
+# ============================================================================ EAGLE-1
+
+
+class Eagle1Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_layers: int = Field(1, ge=1)
+
+
+class Eagle1Loss(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    feature_weight: float = Field(1.0, ge=0, description="SmoothL1 feature regression weight")
+    ce_weight: float = Field(0.1, ge=0, description="soft cross-entropy to the target distribution")
+    feature_noise: float = Field(0.1, ge=0, description="uniform U(-a, a) noise on input features")
+
+
+@register
+class Eagle1Drafter(EagleBase):
+    algorithm = "eagle1"
+    Config = Eagle1Config
+    Loss = Eagle1Loss
+
+    def __init__(self, shape: LayerShape, vocab_size: int, num_layers: int):
+        super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, input_norm=False))
+        H = shape.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.num_target_layers = None
+
+    @classmethod
+    def build(cls, cfg: Eagle1Config, target, samples=None) -> "Eagle1Drafter":
+        m = cls(LayerShape.from_hf(target.config), target.vocab_size, cfg.num_layers)
+        m.num_target_layers = target.num_layers
+        return m.attach(target)
+
+    def meta(self) -> dict:
+        return {
+            "shape": self.shape.model_dump(),
+            "vocab_size": self.vocab_size,
+            "num_layers": len(self.layers),
+            "num_target_layers": self.num_target_layers,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict, target) -> "Eagle1Drafter":
+        m = cls(LayerShape(**meta["shape"]), meta["vocab_size"], meta["num_layers"])
+        m.num_target_layers = meta["num_target_layers"]
+        return m.attach(target)
+
+    @property
+    def capture_layers(self) -> list[int]:
+        return [self.num_target_layers]
+
+    def features(self, hidden):
+        return hidden[self.num_target_layers]
+
+    def stack(self, emb, h, positions, attend_for_layer):
+        # EAGLE-1 fuses before the layer stack: fc([embedding; feature]).
+        return super().stack(None, self.fc(torch.cat([emb, h], dim=-1)), positions, attend_for_layer)
+
+    def head(self, h):
+        return self._target_lm_head(h)
+
+    def training_loss(self, batch, hidden, cfg: Eagle1Loss):
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        B, T = ids.shape
+        f = self.features(hidden)
+        noisy = f + (torch.rand_like(f) * 2 - 1) * cfg.feature_noise if cfg.feature_noise else f
+        positions = torch.arange(T, device=ids.device).expand(B, T)
+        pred = self.stack(self.embed(shift_left(ids, 1)), noisy, positions, lambda i, attn: lambda q, k, v: attn.attend(q, k, v, causal=True))
+        target_feat = shift_left(f, 1)
+        with torch.no_grad():
+            target_logits = self._target_lm_head(target_feat)
+        return eagle1_loss(
+            pred, target_feat, self.head(pred), target_logits, predicted_mask(loss_mask, 0), cfg.feature_weight, cfg.ce_weight
+        )

@@ -1,0 +1,324 @@
+"""Capture stage: layer presets, online capture == HF forward (padding-aware), offline shards
+(resume after a kill is byte-identical, checksums, refusals) and the OfflineDataset round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftlab.data.capture import (
+    OfflineDataset,
+    capture_batch,
+    capture_offline,
+    plan_batches,
+    plan_shards,
+    resolve_layers,
+)
+from draftlab.data.dataset import collate
+from draftlab.errors import DraftlabError
+
+
+def make_samples(vocab: int, n: int = 9, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append({"input_ids": torch.randint(0, vocab, (t,), generator=g), "loss_mask": torch.rand(t, generator=g) > 0.3})
+    return out
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+# ------------------------------------------------------------------------------ layers
+def test_resolve_layers_presets_and_validation():
+    assert resolve_layers("eagle1", 30) == [30]
+    assert resolve_layers("eagle3", 30) == [2, 15, 27, 30]
+    assert resolve_layers("EAGLE3", 32) == [2, 16, 29, 32]
+    assert resolve_layers("2,15,27", 30) == [2, 15, 27, 30]
+    assert resolve_layers([0, 30, 5, 5], 30) == [0, 5, 30]
+    for bad in ("eagle9", "2,x", [31], [-1], "40", [True]):
+        with pytest.raises(DraftlabError, match="layers"):
+            resolve_layers(bad, 30)
+
+
+def test_plans_are_deterministic_partitions():
+    lengths = [5, 40, 7, 7, 100, 3, 12]
+    shards = plan_shards(lengths, 20)
+    assert shards[0][0] == 0 and shards[-1][1] == len(lengths)
+    assert all(a < b for a, b in shards) and all(shards[i][1] == shards[i + 1][0] for i in range(len(shards) - 1))
+    for a, b in shards:  # over budget only when a single sample is
+        assert sum(lengths[a:b]) <= 20 or b - a == 1
+    batches = plan_batches(lengths, 24)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert lengths[b[0]] == longest and (len(b) * longest <= 24 or len(b) == 1)
+    assert batches == plan_batches(lengths, 24)
+
+
+# ------------------------------------------------------------------------------ online
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_capture_equals_hf_forward(tiny_target_dirs, family):
+    from draftlab.models.target import Target
+
+    target = Target.load(str(tiny_target_dirs[family]))
+    L = target.num_layers
+    ids = make_samples(target.vocab_size, n=1, lo=20, hi=21)[0]["input_ids"][None]
+    got = capture_batch(target, ids, None, [0, 1, 2, L], logits="full")
+    ref = target.model(ids, output_hidden_states=True)
+    assert sorted(got["hidden"]) == [0, 1, 2, L]
+    for layer, h in got["hidden"].items():
+        torch.testing.assert_close(h, ref.hidden_states[layer], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["logits"], ref.logits, rtol=1e-5, atol=1e-5)
+    topk = capture_batch(target, ids, None, "eagle1", logits="topk", topk=5)
+    ref_lp = torch.log_softmax(ref.logits, -1).topk(5, -1)
+    assert torch.equal(topk["topk_indices"], ref_lp.indices)
+    torch.testing.assert_close(topk["topk_values"], ref_lp.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_equals_unpadded_samples(tiny_llama, side):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=4, seed=1)
+    batch = collate(samples, pad_id=2)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if side == "left":  # move each row's padding to the front
+        ids, mask = ids.clone(), mask.clone()
+        for r, s in enumerate(samples):
+            n = s["input_ids"].numel()
+            ids[r] = torch.roll(ids[r], ids.shape[1] - n)
+            mask[r] = torch.roll(mask[r], ids.shape[1] - n)
+    got = capture_batch(target, ids, mask, "eagle3", logits="topk", topk=4)
+    for r, s in enumerate(samples):
+        single = capture_batch(target, s["input_ids"][None], None, "eagle3", logits="topk", topk=4)
+        real = mask[r].bool()
+        for layer in resolve_layers("eagle3", target.num_layers):
+            torch.testing.assert_close(got["hidden"][layer][r][real], single["hidden"][layer][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got["topk_indices"][r][real], single["topk_indices"][0])
+    for h in got["hidden"].values():
+        assert torch.isfinite(h).all()
+
+
+def test_online_outputs_usable_for_training(tiny_llama):
+    """Captured states must be ordinary tensors: a drafter's backward pass saves them."""
+    ids = make_samples(tiny_llama.vocab_size, n=1)[0]["input_ids"][None]
+    h = capture_batch(tiny_llama, ids, None, "eagle1")["hidden"][tiny_llama.num_layers]
+    w = torch.zeros(h.shape[-1], 3, requires_grad=True)
+    (h @ w).sum().backward()
+    torch.testing.assert_close(w.grad[:, 0], h[0].sum(0))
+
+
+def test_bad_online_arguments(tiny_llama):
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(DraftlabError, match="logits"):
+        capture_batch(tiny_llama, ids, None, "eagle1", logits="some")
+    with pytest.raises(DraftlabError, match="topk"):
+        capture_batch(tiny_llama, ids, None, "eagle1", logits="topk", topk=0)
+
+
+# ------------------------------------------------------------------------------ offline
+def test_offline_roundtrip_float32_exact(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size)
+    # batch_tokens=1: every sample runs alone, the same forward as the online single-sample call
+    res = capture_offline(target, samples, tmp_path / "c", "eagle3", storage_dtype="float32", shard_tokens=50,
+                          batch_tokens=1, logits="topk", topk=3, progress=False)
+    m = res.manifest
+    assert m["complete"] and m["num_samples"] == len(samples) and len(m["shards"]) > 2
+    assert m["layers"] == resolve_layers("eagle3", target.num_layers) and m["target"] == target.identity
+    assert sum(s["tokens"] for s in m["shards"]) == m["num_tokens"] == sum(s["input_ids"].numel() for s in samples)
+    ds = OfflineDataset(tmp_path / "c")
+    assert len(ds) == len(samples) and ds.lengths() == [s["input_ids"].numel() for s in samples]
+    for i, s in enumerate(samples):
+        item = ds[i]
+        online = capture_batch(target, s["input_ids"][None], None, "eagle3", logits="topk", topk=3)
+        assert torch.equal(item["input_ids"], s["input_ids"]) and item["input_ids"].dtype == torch.long
+        assert torch.equal(item["loss_mask"], s["loss_mask"])
+        assert sorted(item["hidden"]) == m["layers"]
+        for layer, h in item["hidden"].items():
+            assert h.dtype == torch.float32 and torch.equal(h, online["hidden"][layer][0])
+        assert torch.equal(item["topk_values"], online["topk_values"][0])
+        assert torch.equal(item["topk_indices"], online["topk_indices"][0])
+
+
+def test_offline_roundtrip_bfloat16_batched(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=12, seed=3)
+    res = capture_offline(target, samples, tmp_path / "c", "2,3", storage_dtype="bfloat16", shard_tokens=80,
+                          batch_tokens=96, progress=False)
+    H, L = target.hidden_size, target.num_layers
+    assert res.manifest["bytes_per_token"] == 3 * H * 2 + 5
+    ds = OfflineDataset(tmp_path / "c")
+    for i, s in enumerate(samples):
+        online = capture_batch(target, s["input_ids"][None], None, [2, 3])
+        for layer in (2, 3, L):
+            ref = online["hidden"][layer][0]
+            # bf16 keeps 8 mantissa bits: relative error <= 2^-8 per element
+            torch.testing.assert_close(ds[i]["hidden"][layer], ref, rtol=2**-8, atol=1e-6)
+
+
+def test_killed_midway_resume_is_byte_identical(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=14, seed=5)
+    kw = dict(layers="eagle3", storage_dtype="bfloat16", shard_tokens=70, batch_tokens=64, progress=False)
+    full = capture_offline(target, samples, tmp_path / "full", **kw)
+    assert len(full.manifest["shards"]) >= 4
+
+    class Killed(Exception):
+        pass
+
+    def die_after_two(idx, entry):
+        if idx == 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        capture_offline(target, samples, tmp_path / "part", **kw, on_shard=die_after_two)
+    partial = json.loads((tmp_path / "part" / "manifest.json").read_text())
+    assert not partial["complete"] and [s["index"] for s in partial["shards"]] == [0, 1]
+    (tmp_path / "part" / ".shard-00002.safetensors.tmp").write_bytes(b"half a shard")  # a write cut by the kill
+    resumed = capture_offline(target, samples, tmp_path / "part", layers="eagle3", storage_dtype="bfloat16",
+                              progress=False)  # shard/batch sizes come from the manifest
+    assert resumed.skipped_shards == 2
+    assert resumed.captured_tokens == full.manifest["num_tokens"] - sum(s["tokens"] for s in partial["shards"])
+    assert files_of(tmp_path / "part") == files_of(tmp_path / "full")
+    again = capture_offline(target, samples, tmp_path / "part", **kw)  # complete: nothing to do
+    assert again.captured_tokens == 0 and files_of(tmp_path / "part") == files_of(tmp_path / "full")
+
+
+KILL_SCRIPT = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads({threads})
+from test_capture import make_samples
+from draftlab.data.capture import capture_offline
+from draftlab.models.target import Target
+target = Target.load({target!r})
+samples = make_samples(target.vocab_size, n=14, seed=5)
+capture_offline(target, samples, {out!r}, layers="eagle3", storage_dtype="bfloat16", shard_tokens=70,
+                batch_tokens=64, progress=False, on_shard=lambda i, e: time.sleep(0.3))
+"""
+
+
+def test_sigkill_midway_resume_is_byte_identical(tiny_llama, tiny_target_dirs, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=14, seed=5)
+    kw = dict(layers="eagle3", storage_dtype="bfloat16", shard_tokens=70, batch_tokens=64, progress=False)
+    full = capture_offline(target, samples, tmp_path / "full", **kw)
+    out = tmp_path / "killed"
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), threads=torch.get_num_threads(),
+                                target=str(tiny_target_dirs["llama"]), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            m = out / "manifest.json"
+            if m.is_file() and len(json.loads(m.read_text())["shards"]) >= 1:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    partial = json.loads((out / "manifest.json").read_text())
+    assert not partial["complete"] and 1 <= len(partial["shards"]) < len(full.manifest["shards"])
+    resumed = capture_offline(target, samples, out, **kw)
+    assert resumed.skipped_shards == len(partial["shards"])
+    assert files_of(out) == files_of(tmp_path / "full")
+
+
+def test_checksum_mismatch_detected_and_recaptured(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=8, seed=2)
+    kw = dict(layers="eagle1", storage_dtype="float16", shard_tokens=60, batch_tokens=64, progress=False)
+    capture_offline(target, samples, tmp_path / "c", **kw)
+    reference = files_of(tmp_path / "c")
+    shard = tmp_path / "c" / "shard-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF  # flip bits inside the tensor data
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DraftlabError, match="shard-00001.safetensors: checksum mismatch"):
+        OfflineDataset(tmp_path / "c").verify()
+    ds = OfflineDataset(tmp_path / "c")
+    ds[0]  # shard 0 is fine
+    first_of_bad = json.loads((tmp_path / "c" / "manifest.json").read_text())["shards"][1]["samples"][0]
+    with pytest.raises(DraftlabError, match="checksum mismatch"):
+        ds[first_of_bad]  # checked when first opened
+    res = capture_offline(target, samples, tmp_path / "c", **kw)  # resume recaptures the corrupt shard only
+    assert res.skipped_shards == len(res.manifest["shards"]) - 1
+    assert files_of(tmp_path / "c") == reference
+    OfflineDataset(tmp_path / "c").verify()
+
+
+def test_resume_refuses_a_different_capture(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=6)
+    kw = dict(storage_dtype="bfloat16", shard_tokens=50, progress=False)
+    capture_offline(target, samples, tmp_path / "c", "eagle3", **kw, data_spec={"source": "x", "max_length": 64})
+    with pytest.raises(DraftlabError, match="layers"):
+        capture_offline(target, samples, tmp_path / "c", "eagle1", **kw, data_spec={"source": "x", "max_length": 64})
+    with pytest.raises(DraftlabError, match="dtype"):
+        capture_offline(target, samples, tmp_path / "c", "eagle3", storage_dtype="float32", shard_tokens=50,
+                        progress=False, data_spec={"source": "x", "max_length": 64})
+    with pytest.raises(DraftlabError, match="data spec"):
+        capture_offline(target, samples, tmp_path / "c", "eagle3", **kw, data_spec={"source": "x", "max_length": 32})
+    with pytest.raises(DraftlabError, match="samples differ"):
+        capture_offline(target, samples[:-1], tmp_path / "c", "eagle3", **kw, data_spec={"source": "x", "max_length": 64})
+    with pytest.raises(DraftlabError, match="shard_tokens"):
+        capture_offline(target, samples, tmp_path / "c", "eagle3", storage_dtype="bfloat16", shard_tokens=40,
+                        progress=False, data_spec={"source": "x", "max_length": 64})
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(DraftlabError, match="out"):
+        capture_offline(target, samples, tmp_path / "other", "eagle3", **kw)
+    with pytest.raises(DraftlabError, match="dtype"):
+        capture_offline(target, samples, tmp_path / "new", "eagle3", storage_dtype="int8", progress=False)
+
+
+def test_incomplete_capture_is_not_readable(tiny_llama, tmp_path):
+    samples = make_samples(tiny_llama.vocab_size, n=6)
+
+    def stop(idx, entry):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        capture_offline(tiny_llama, samples, tmp_path / "c", "eagle1", shard_tokens=30, progress=False, on_shard=stop)
+    with pytest.raises(DraftlabError, match="incomplete"):
+        OfflineDataset(tmp_path / "c")
+    with pytest.raises(DraftlabError, match="manifest"):
+        OfflineDataset(tmp_path / "nothing")
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_cli_capture_end_to_end(tiny_target_dirs, tmp_path, capsys):
+    from draftlab.cli import main
+
+    data = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"Hello {i}! Please explain the theory of relativity."},
+                      {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog. " * (1 + i % 3)}]}
+        for i in range(10)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "cap"
+    argv = ["capture", "--target", str(tiny_target_dirs["llama"]), "--data", str(data), "--max-length", "64",
+            "--heldout", "2", "--layers", "1,2", "--dtype", "float32", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "8 samples" in text and "tokens/s" in text and "B/token" in text
+    ds = OfflineDataset(out)
+    assert len(ds) == 8 and ds.layers == [1, 2, 4]
+    assert ds.manifest["data"]["source"] == str(data) and ds.manifest["data"]["split"] == "train"
+    assert main(argv) == 0 and "nothing to do" in capsys.readouterr().out
+    assert main(argv[:-5] + ["--layers", "9", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert "layers: index 9" in capsys.readouterr().err

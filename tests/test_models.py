@@ -1,0 +1,147 @@
+"""Drafter models and EAGLE losses: TTT attention pattern, mask shifts, train/inference agreement."""
+
+import pytest
+import torch
+
+from draftlab.losses.eagle import eagle3_step_loss, predicted_mask, shift_left
+from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle1Loss, Eagle3Config, Eagle3Drafter, Eagle3Loss
+from draftlab.models.layers import ttt_attention
+from draftlab.models.target import Target
+
+
+def test_ttt_attention_pattern_hand_checked():
+    """T=3, step 2: query t sees k0[0..t] and the diagonal keys k1[t], k2[t] only.
+    With all-zero queries the weights are uniform over exactly the allowed keys, so the
+    output is the mean of the allowed values — checkable by hand."""
+    T, D = 3, 2
+    q = torch.zeros(1, 1, T, D)
+    vals = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.tensor([100.0, 200.0, 300.0])]
+    vs = [v.view(1, 1, T, 1).expand(1, 1, T, D) for v in vals]
+    ks = [torch.randn(1, 1, T, D) for _ in vals]
+    o = ttt_attention(q, ks, vs, 1.0)[0, 0, :, 0]
+    expected = torch.tensor(
+        [
+            (1 + 10 + 100) / 3,  # t=0: k0[0], k1[0], k2[0]
+            (1 + 2 + 20 + 200) / 4,  # t=1: k0[0..1], k1[1], k2[1]
+            (1 + 2 + 3 + 30 + 300) / 5,  # t=2: k0[0..2], k1[2], k2[2]
+        ]
+    )
+    torch.testing.assert_close(o, expected)
+
+
+def test_ttt_attention_matches_explicit_mask_with_gqa():
+    torch.manual_seed(0)
+    B, h, hk, T, D, steps = 2, 4, 2, 6, 8, 3
+    q = torch.randn(B, h, T, D)
+    ks = [torch.randn(B, hk, T, D) for _ in range(steps)]
+    vs = [torch.randn(B, hk, T, D) for _ in range(steps)]
+    K = torch.cat(ks, 2).repeat_interleave(h // hk, 1)
+    V = torch.cat(vs, 2).repeat_interleave(h // hk, 1)
+    allowed = torch.zeros(T, T * steps, dtype=torch.bool)
+    for t in range(T):
+        allowed[t, : t + 1] = True
+        for j in range(1, steps):
+            allowed[t, j * T + t] = True
+    ref = ((q @ K.transpose(-1, -2)) * 0.5).masked_fill(~allowed, float("-inf")).softmax(-1) @ V
+    torch.testing.assert_close(ttt_attention(q, ks, vs, 0.5), ref)
+
+
+def test_mask_shift_hand_checked():
+    # tokens:      0  1  2  3  4  5  6
+    # loss_mask:   0  0  1  1  1  0  0   (assistant tokens are x2, x3, x4)
+    m = torch.tensor([[0, 0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    # step 0 at position t predicts x_{t+2}: counted t = 0, 1, 2
+    assert predicted_mask(m, 0).int().tolist() == [[1, 1, 1, 0, 0, 0, 0]]
+    # step 2 at position t predicts x_{t+4}: only t = 0 (x4)
+    assert predicted_mask(m, 2).int().tolist() == [[1, 0, 0, 0, 0, 0, 0]]
+    assert shift_left(torch.arange(5)[None], 2).tolist() == [[2, 3, 4, 0, 0]]
+
+
+def test_step_loss_normalised_by_mask_sum_not_mean():
+    logits = torch.zeros(1, 4, 3)
+    p = torch.full((1, 4, 3), 1 / 3)
+    mask = torch.tensor([[1, 0, 0, 0]], dtype=torch.bool)
+    # uniform q, uniform p: CE = log 3 at the single counted position (a .mean() would give log3/4)
+    assert eagle3_step_loss(logits, p, mask).item() == pytest.approx(torch.log(torch.tensor(3.0)).item())
+
+
+def _samples(target, n=4, T=24):
+    g = torch.Generator().manual_seed(0)
+    return [
+        {"input_ids": torch.randint(0, target.vocab_size, (T,), generator=g), "loss_mask": torch.ones(T, dtype=torch.bool)}
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("algo", ["eagle1", "eagle3"])
+def test_drafters_train_on_every_family(tiny_target_dirs, family, algo):
+    torch.manual_seed(0)
+    target = Target.load(str(tiny_target_dirs[family]))
+    samples = _samples(target)
+    if algo == "eagle3":
+        d = Eagle3Drafter.build(Eagle3Config(num_layers=2, draft_vocab_size=64), target, samples)
+        lc = Eagle3Loss(ttt_steps=3)
+    else:
+        d = Eagle1Drafter.build(Eagle1Config(num_layers=2), target, samples)
+        lc = Eagle1Loss()
+    ids = torch.stack([s["input_ids"] for s in samples[:2]])
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    hidden = target(ids, layers=d.capture_layers, logits=None).hidden
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss, metrics = d(batch, hidden, lc)
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]  # it learns the batch
+    assert len(metrics["acc"]) == (3 if algo == "eagle3" else 1)
+    # frozen target weights are shared, not trained or saved
+    assert not any("embed" in k for k in d.trainable_state_dict())
+    assert target.embed_tokens.weight.grad is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family):
+    """Step i of training at position t must equal what the cached inference path computes
+    when it drafts i tokens after position t (teacher-forced with the true tokens). This pins
+    the TTT attention pattern and the RoPE offsets."""
+    torch.manual_seed(0)
+    target = Target.load(str(tiny_target_dirs[family]))
+    samples = _samples(target, T=12)
+    d = Eagle3Drafter.build(Eagle3Config(num_layers=2, draft_vocab_size=64), target, samples).eval()
+    ids = samples[0]["input_ids"][None]
+    hidden = target(ids, layers=d.capture_layers, logits=None).hidden
+    steps = 4
+    with torch.no_grad():
+        train_h = [h for _, h in d.unroll(ids, hidden, steps)]
+        feats = d.features(hidden)
+        for t in (0, 3, 6):
+            cache = d.new_cache()
+            h, _ = d.draft_step(ids[:, 1 : t + 2], feats[:, : t + 1], torch.arange(t + 1)[None], cache)
+            h = h[:, -1:]
+            torch.testing.assert_close(h[0, 0], train_h[0][0, t], atol=1e-5, rtol=1e-5)
+            for i in range(1, steps):
+                tok = ids[:, t + 1 + i : t + 2 + i]
+                h, _ = d.draft_step(tok, h, torch.tensor([[t + i]]), cache)
+                torch.testing.assert_close(h[0, 0], train_h[i][0, t], atol=1e-5, rtol=1e-5)
+
+
+def test_draft_vocab_and_lm_head_init(tiny_llama):
+    samples = _samples(tiny_llama)
+    d = Eagle3Drafter.build(Eagle3Config(draft_vocab_size=32), tiny_llama, samples)
+    assert d.t2d.sum() == 32 and d.lm_head.out_features == 32
+    draft_ids = torch.arange(32)
+    target_ids = d.to_target_ids(draft_ids)
+    assert d.t2d[target_ids].all()
+    torch.testing.assert_close(d.lm_head.weight, tiny_llama.lm_head.weight[target_ids])
+
+
+def test_bad_aux_layer_is_a_clear_error(tiny_llama):
+    from draftlab.errors import DraftlabError
+
+    with pytest.raises(DraftlabError, match="aux_layers"):
+        Eagle3Drafter.build(Eagle3Config(aux_layers=[1, 99]), tiny_llama, _samples(tiny_llama))

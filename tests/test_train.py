@@ -1,0 +1,158 @@
+"""Recipe schema, CLI errors, kill-and-resume determinism, DDP with two processes, end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from draftlab.errors import DraftlabError
+from draftlab.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = "the quick brown fox jumps over lazy dog speculative decoding drafts tokens target verifies them hello".split()
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    with open(path, "w") as f:
+        for _ in range(40):
+            msgs = []
+            for _ in range(2):
+                msgs.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=6))})
+                msgs.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=14))})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def write_recipe(tmp_path, target_dir, chat_file, algorithm="eagle3", **sections):
+    recipe = {
+        "algorithm": algorithm,
+        "output_dir": str(tmp_path / "run"),
+        "target": {"model": str(target_dir)},
+        "data": {"source": str(chat_file), "max_length": 96, "heldout": 4},
+        "drafter": {"draft_vocab_size": 64} if algorithm == "eagle3" else {},
+        "loss": {"ttt_steps": 3} if algorithm == "eagle3" else {},
+        "train": {"max_steps": 6, "batch_tokens": 384, "checkpoint_every": 2, "warmup_steps": 2, "lr": 1e-3},
+        "eval": {"enabled": False},
+    }
+    for k, v in sections.items():
+        recipe[k] = {**recipe.get(k, {}), **v} if isinstance(v, dict) else v
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def run_train(args, env=None, launcher=None, timeout=300):
+    cmd = (launcher or [sys.executable]) + [str(REPO / "train" / "eagle.py"), *map(str, args)]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=REPO)
+
+
+# ---------------------------------------------------------------- schema and errors
+def test_every_shipped_recipe_validates():
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for r in recipes:
+        load_recipe(r)  # GPU recipes validate too, even though they cannot run here
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        ({"train": {"lr": "fast"}}, "train.lr"),
+        ({"train": {"bogus": 1}}, "train.bogus"),
+        ({"drafter": {"draft_vocab": 3}}, "drafter.draft_vocab"),
+        ({"loss": {"ttt_steps": 0}}, "loss.ttt_steps"),
+        ({"algorithm": "eagle9"}, "unknown algorithm"),
+    ],
+)
+def test_bad_recipe_is_one_line_error(tmp_path, tiny_target_dirs, chat_file, mutate, message):
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, **mutate)
+    with pytest.raises(DraftlabError, match=message.replace(".", r"\.")):
+        load_recipe(path)
+
+
+def test_cli_errors_exit_2_without_traceback(tmp_path, tiny_target_dirs, chat_file):
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file)
+    for args, needle in [
+        ([tmp_path / "missing.yaml"], "recipe file not found"),
+        ([path, "train.max_steps=zero"], "train.max_steps"),
+        ([path, "nonsense"], "dotted.key=value"),
+        ([path, "data.source=/nope/x.jsonl"], "/nope/x.jsonl"),
+    ]:
+        res = run_train(args)
+        assert res.returncode == 2, res.stderr
+        err_lines = [l for l in res.stderr.strip().splitlines() if "error" in l]
+        assert needle in err_lines[-1] and "Traceback" not in res.stderr
+
+
+def test_dotted_overrides(tmp_path, tiny_target_dirs, chat_file):
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file)
+    r = load_recipe(path, ["train.max_steps=20", "output_dir=runs/x", "drafter.aux_layers=[1,2,3]"])
+    assert r.train.max_steps == 20 and r.output_dir == "runs/x" and r.drafter["aux_layers"] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- resume after SIGKILL
+@pytest.mark.parametrize("algorithm", ["eagle1", "eagle3"])
+def test_killed_run_resumes_to_identical_weights(tmp_path, tiny_target_dirs, chat_file, algorithm):
+    ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
+    ref_dir.mkdir()
+    killed_dir.mkdir()
+    ref = write_recipe(ref_dir, tiny_target_dirs["llama"], chat_file, algorithm)
+    killed = write_recipe(killed_dir, tiny_target_dirs["llama"], chat_file, algorithm)
+    res = run_train([ref])
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_train([killed], env={"DRAFTLAB_FAULT_KILL_AFTER_STEP": "4"})
+    assert res.returncode == -9  # SIGKILL right after the step-4 checkpoint
+    assert not (killed_dir / "run" / "checkpoints" / "step-0000006").exists()
+    res = run_train([killed])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stdout and "step 4" in res.stdout
+    a = load_file(ref_dir / "run" / "checkpoints" / "step-0000006" / "model.safetensors")
+    b = load_file(killed_dir / "run" / "checkpoints" / "step-0000006" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k
+    # keep_last=2: older checkpoints were pruned
+    kept = sorted(p.name for p in (killed_dir / "run" / "checkpoints").glob("step-*"))
+    assert kept == ["step-0000004", "step-0000006"]
+
+
+# ---------------------------------------------------------------- DDP, two gloo processes
+def test_ddp_two_processes_keep_weights_in_sync(tmp_path, tiny_target_dirs, chat_file):
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 4})
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    res = run_train([path], launcher=launcher)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "on 2 process(es)" in res.stdout  # a silent single-process run would say 1
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weights_in_sync"] for r in records if "weights_in_sync" in r] == [True]
+    assert max(r["step"] for r in records) == 4
+
+
+# ---------------------------------------------------------------- end to end with evaluation
+def test_train_then_evaluate_end_to_end(tmp_path, tiny_target_dirs, chat_file):
+    path = write_recipe(
+        tmp_path, tiny_target_dirs["llama"], chat_file,
+        train={"max_steps": 4, "checkpoint_every": 2},
+        eval={"enabled": True, "num_prompts": 2, "max_new_tokens": 12, "k": 3},
+    )
+    res = run_train([path])
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "run"
+    report = json.loads((run / "eval" / "latest.json").read_text())
+    assert report["step"] == 4 and len(report["alpha"]) == 3
+    assert report["greedy_match"] == "2/2"  # speculative greedy output == plain greedy output
+    assert (run / "eval" / "latest.png").is_file() and (run / "eval" / "latest.md").is_file()
+    meta = json.loads((run / "checkpoints" / "step-0000004" / "draftlab.json").read_text())
+    assert meta["metrics"]["eval"]["tau"] == report["tau"]
+    assert (run / "checkpoints" / "best" / "model.safetensors").is_file()

@@ -1,0 +1,57 @@
+"""Acceptance evaluation after every checkpoint: real speculative decoding on held-out prompts,
+through the same ``inference.evaluate`` that ``draftlab eval`` uses. Each report is written
+to ``<run>/eval/step-N.json`` (+ .md, .png) and ``<run>/eval/latest.*``, whose plot carries
+one alpha_j curve per checkpoint so far."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class CheckpointEvaluator:
+    def __init__(self, recipe, target, samples):
+        from draftlab.inference.prompts import load_prompts
+
+        self.recipe, self.target = recipe, target
+        self.dir = Path(recipe.output_dir) / "eval"
+        e = recipe.eval
+        self.prompts = load_prompts(e.data, target.tokenizer, e.num_prompts, data_spec=recipe.data)
+
+    def history(self) -> list[dict]:
+        if not self.dir.is_dir():
+            return []
+        reports = [json.loads(p.read_text()) for p in sorted(self.dir.glob("step-*.json"))]
+        return sorted(reports, key=lambda r: r.get("step", 0))
+
+    def __call__(self, checkpoint_dir: Path) -> dict:
+        from draftlab.inference.evaluate import evaluate
+        from draftlab.inference.proposer import TreeSpec
+        from draftlab.inference.report import markdown_table, write_report
+        from draftlab.registry import load_proposer
+
+        e = self.recipe.eval
+        step = int(Path(checkpoint_dir).name.split("-")[-1])
+        report = evaluate(
+            self.target,
+            load_proposer(checkpoint_dir, self.target),
+            self.prompts,
+            method=e.method,
+            k=e.k,
+            tree=TreeSpec(**e.tree.model_dump()),
+            max_new_tokens=e.max_new_tokens,
+            temperature=e.temperature,
+            seed=self.recipe.seed,
+            eos_token_id=self.target.tokenizer.eos_token_id,
+            baseline=e.baseline,
+            data=e.data,
+            label=f"step {step}",
+        )
+        report["step"] = step
+        report["checkpoint"] = str(checkpoint_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        history = [r for r in self.history() if r.get("step") != step]
+        write_report(report, self.dir / f"step-{step:07d}.json", history=history)
+        write_report(report, self.dir / "latest.json", history=history)
+        print(f"\neval @ step {step} ({e.data}, {len(self.prompts)} prompts, {e.method}):\n{markdown_table(report)}", flush=True)
+        return report

@@ -1,0 +1,63 @@
+"""From a recipe path to a finished run; the thin entry points (train/eagle.py, later
+train/medusa.py and train/diffusion.py) all call :func:`train_from_recipe`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from draftlab.errors import DraftlabError
+
+
+def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ...]) -> dict:
+    from accelerate import Accelerator
+
+    from draftlab.data.dataset import build_samples
+    from draftlab.models.target import Target
+    from draftlab.recipe import load_recipe
+    from draftlab.train.evaluation import CheckpointEvaluator
+    from draftlab.train.trainer import Trainer, seed_everything
+
+    recipe = load_recipe(path, overrides)
+    if recipe.algorithm not in algorithms:
+        raise DraftlabError(f"{path}: algorithm '{recipe.algorithm}' is not trained by this entry point (use one of {algorithms})")
+    algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    main = accelerator.is_main_process
+    seed_everything(recipe.seed)
+    device = str(accelerator.device) if recipe.target.device == "auto" else recipe.target.device
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
+    if main:
+        print(f"draftlab: {recipe.algorithm} run in {recipe.output_dir} on {accelerator.num_processes} process(es), device {device}", flush=True)
+    # The first load of the default target converts its GGUF into a cache: let one process do it.
+    with accelerator.main_process_first():
+        target = Target.load(recipe.target.model, recipe.target.dtype, device, recipe.target.trust_remote_code)
+    samples = build_samples(recipe.data, target.tokenizer, target=target if recipe.data.regenerate else None,
+                            regenerate_path=Path(recipe.output_dir) / "regenerated.jsonl")
+    if main:
+        print(f"data: {json.dumps(samples.report)}", flush=True)
+    if not samples.train:
+        raise DraftlabError(f"{path}: data: no training samples left after filtering")
+
+    # Drafter weights stay fp32 (master weights) whatever the target's dtype.
+    drafter = algo.build(drafter_cfg, target, samples.train).float()
+    offline = None
+    if recipe.capture.mode == "offline":
+        from draftlab.data.capture import OfflineDataset
+
+        offline = OfflineDataset(recipe.capture.offline_dir)
+        if len(offline) != len(samples.train):
+            raise DraftlabError(f"capture.offline_dir: {len(offline)} captured samples but the data section gives {len(samples.train)}")
+    evaluator = CheckpointEvaluator(recipe, target, samples) if recipe.eval.enabled else None
+    # Different ranks draw different noise, reproducibly.
+    seed_everything(recipe.seed * 1000 + accelerator.process_index + 1)
+    trainer = Trainer(recipe, accelerator, target, drafter, loss_cfg, samples.train, evaluate=evaluator, offline=offline)
+    metrics = trainer.run()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics

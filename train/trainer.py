@@ -1,0 +1,381 @@
+"""The one training loop, shared by every algorithm (EAGLE now; Medusa and diffusion later).
+
+Accelerate handles devices and processes (single process, DDP, FSDP, DeepSpeed). The loop:
+batches of packed-by-length samples -> target capture (online, cached in RAM, or offline
+shards) -> ``drafter(batch, hidden, loss_cfg)`` -> backward with accumulation, clipping,
+AdamW, warmup + cosine -> metrics (JSONL always; TensorBoard / wandb when asked) ->
+checkpoints every N steps (atomic, keep-last-K + best) -> acceptance evaluation hook.
+
+Determinism: the data order is a pure function of (seed, epoch), the data position is a pure
+function of the optimizer step, and RNG states are checkpointed per rank, so a killed run
+relaunched with the same command ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from draftlab.data.dataset import batches_by_tokens, collate
+from draftlab.errors import DraftlabError
+from draftlab.train import checkpoint as ckpt
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class MetricLogger:
+    """JSONL always (main process); TensorBoard and wandb (offline by default) when chosen."""
+
+    def __init__(self, run_dir: Path, recipe, enabled: bool):
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        self.path = run_dir / "metrics.jsonl"
+        spec = recipe.logging
+        if spec.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise DraftlabError("logging.tensorboard needs the tensorboard package (pip install tensorboard)") from e
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if spec.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise DraftlabError("logging.wandb needs the wandb package (pip install wandb)") from e
+            self.wandb = wandb.init(
+                project=spec.wandb_project, mode=spec.wandb_mode, dir=str(run_dir), config=recipe.model_dump(mode="json")
+            )
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        flat = {}
+        for k, v in record.items():
+            if isinstance(v, list):
+                flat.update({f"{k}/{i}": x for i, x in enumerate(v) if isinstance(x, (int, float))})
+            elif isinstance(v, (int, float)) and k != "step":
+                flat[k] = v
+        if self.tb:
+            for k, v in flat.items():
+                self.tb.add_scalar(k, v, record["step"])
+            self.tb.flush()
+        if self.wandb:
+            self.wandb.log(flat, step=record["step"])
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+class Trainer:
+    def __init__(self, recipe, accelerator, target, drafter, loss_cfg, train_samples, evaluate=None, offline=None):
+        """``evaluate(checkpoint_dir) -> dict | None`` runs after each checkpoint on the main
+        process (acceptance report); ``offline`` is an OfflineDataset when capture.mode is offline."""
+        self.r, self.acc, self.target = recipe, accelerator, target
+        self.loss_cfg = loss_cfg
+        self.samples = train_samples
+        self.evaluate = evaluate
+        self.offline = offline
+        self.run_dir = Path(recipe.output_dir)
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+        self.memory_cache: dict[int, dict[int, torch.Tensor]] = {}
+        self.layers = drafter.capture_layers
+        self.raw_drafter = drafter
+
+        t = recipe.train
+        self.batches_per_epoch = len(self._epoch_batches(0)) // self.world
+        steps_per_epoch = self.batches_per_epoch // t.grad_accum
+        if steps_per_epoch < 1:
+            raise DraftlabError(
+                f"data: {len(train_samples)} samples make {self.batches_per_epoch} micro-batches per process, "
+                f"fewer than train.grad_accum={t.grad_accum}: use more data or smaller train.batch_tokens"
+            )
+        self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, self.total_steps, t.min_lr_ratio))
+        self.model, self.opt, self.sched = accelerator.prepare(drafter, opt, sched)
+        self.step = 0
+        self.elapsed = 0.0  # training seconds over all resumed runs
+        self.best_tau = None
+
+    # ------------------------------------------------------------------ data
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        return batches_by_tokens(self.samples, self.r.train.batch_tokens, self.r.seed, epoch)
+
+    def micro_batches(self, start_step: int):
+        """Yield (epoch, indices) for this rank, from the micro-batch after ``start_step`` steps."""
+        per_step = self.r.train.grad_accum
+        pos = start_step * per_step  # this rank's micro-batch position, a pure function of the step
+        epoch, idx = divmod(pos, self.batches_per_epoch)
+        while True:
+            batches = self._epoch_batches(epoch)
+            mine = batches[self.rank :: self.world][: self.batches_per_epoch]
+            for b in mine[idx:]:
+                yield epoch, b
+            epoch, idx = epoch + 1, 0
+
+    def capture(self, indices: list[int], batch: dict) -> dict[int, torch.Tensor]:
+        mode = self.r.capture.mode
+        if mode == "offline":
+            items = [self.offline[i]["hidden"] for i in indices]
+            T = batch["input_ids"].shape[1]
+            out = {}
+            for layer in self.layers:
+                rows = [h[layer] for h in items]
+                padded = torch.zeros(len(rows), T, rows[0].shape[-1], dtype=self.target.dtype)
+                for j, r in enumerate(rows):
+                    padded[j, : r.shape[0]] = r
+                out[layer] = padded.to(self.target.device)
+            return out
+        if mode == "memory" and all(i in self.memory_cache for i in indices):
+            T = batch["input_ids"].shape[1]
+            out = {}
+            for layer in self.layers:
+                padded = torch.zeros(len(indices), T, self.target.hidden_size, dtype=self.target.dtype, device=self.target.device)
+                for j, i in enumerate(indices):
+                    h = self.memory_cache[i][layer]
+                    padded[j, : h.shape[0]] = h
+                out[layer] = padded
+            return out
+        # Right padding + causal attention: real tokens never see padding, so no mask is needed.
+        hidden = self.target(batch["input_ids"], layers=self.layers, logits=None).hidden
+        if mode == "memory":
+            for j, i in enumerate(indices):
+                n = int(batch["attention_mask"][j].sum())
+                self.memory_cache[i] = {layer: hidden[layer][j, :n].clone() for layer in self.layers}
+        return hidden
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, metrics: dict) -> Path:
+        """All ranks call this; rank files first, then the main process publishes atomically."""
+        final = ckpt.step_dir(self.run_dir, self.step)
+        tmp_name = self.run_dir / "checkpoints" / f".staging-{self.step:07d}"
+        if self.acc.is_main_process:
+            shutil.rmtree(tmp_name, ignore_errors=True)
+            (tmp_name / "trainer").mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        ckpt.write_json(
+            tmp_name / "trainer" / f"rng-rank{self.rank}.json",
+            {
+                "torch": torch.get_rng_state().tolist(),
+                "python": _py_rng_to_json(random.getstate()),
+                "numpy": _np_rng_to_json(np.random.get_state()),
+            },
+        )
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            drafter = self.acc.unwrap_model(self.model)
+            meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.r.model_dump(mode="json"), self.step, metrics)
+            ckpt.save_weights(tmp_name, drafter, meta)
+            torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}, tmp_name / "trainer" / "optimizer.pt")
+            ckpt.write_json(
+                tmp_name / "trainer" / "state.json",
+                {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "fingerprint": self.r.fingerprint(), "best_tau": self.best_tau},
+            )
+            ckpt.publish(tmp_name, final)
+        self.acc.wait_for_everyone()
+        return final
+
+    def resume(self) -> None:
+        found = ckpt.list_checkpoints(self.run_dir)
+        if not found:
+            return
+        last = found[-1]
+        state_file = last / "trainer" / "state.json"
+        if not state_file.is_file():
+            raise DraftlabError(f"{last}: checkpoint has no trainer state (cannot resume); use a new output_dir")
+        state = json.loads(state_file.read_text())
+        if state["fingerprint"] != self.r.fingerprint():
+            raise DraftlabError(
+                f"output_dir {self.run_dir} holds a run of a different recipe; use a new output_dir or the same recipe"
+            )
+        drafter, _ = ckpt.load_drafter(last, self.target)
+        self.acc.unwrap_model(self.model).load_state_dict(drafter.state_dict())
+        opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
+        self.opt.load_state_dict(opt_state["optimizer"])
+        self.sched.load_state_dict(opt_state["scheduler"])
+        rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
+        if state["world_size"] == self.world and rng_file.is_file():
+            rng = json.loads(rng_file.read_text())
+            torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+            random.setstate(_py_rng_from_json(rng["python"]))
+            np.random.set_state(_np_rng_from_json(rng["numpy"]))
+        self.step, self.elapsed, self.best_tau = state["step"], state["elapsed_s"], state.get("best_tau")
+        if self.acc.is_main_process:
+            print(f"resumed from {last} (step {self.step})", flush=True)
+
+    def prune(self) -> None:
+        """Keep the last ``keep_last`` checkpoints plus the best by acceptance (tau)."""
+        if not self.acc.is_main_process:
+            return
+        found = ckpt.list_checkpoints(self.run_dir)
+        for p in found[: -self.r.train.keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def mark_best(self, path: Path, tau: float | None) -> None:
+        if tau is None or (self.best_tau is not None and tau <= self.best_tau):
+            return
+        self.best_tau = tau
+        link = self.run_dir / "checkpoints" / "best"
+        tmp = self.run_dir / "checkpoints" / ".best-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(path, tmp)
+        ckpt.publish(tmp, link)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        t = self.r.train
+        self.resume()
+        main = self.acc.is_main_process
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        logger = MetricLogger(self.run_dir, self.r, main)
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.r.algorithm}", dynamic_ncols=True)
+        stream = self.micro_batches(self.step)
+        last_metrics: dict = {}
+        started = time.perf_counter() - self.elapsed
+        stop_early = False
+        self.model.train()
+        while self.step < self.total_steps and not stop_early:
+            t0 = time.perf_counter()
+            tokens = 0
+            agg: dict = {}
+            for micro in range(t.grad_accum):
+                epoch, indices = next(stream)
+                batch = collate([self.samples[i] for i in indices], self.pad_id)
+                batch = {k: v.to(self.target.device) for k, v in batch.items()}
+                hidden = self.capture(indices, batch)
+                sync = micro == t.grad_accum - 1
+                ctx = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
+                with ctx:
+                    loss, metrics = self.model(batch, hidden, self.loss_cfg)
+                    self.acc.backward(loss / t.grad_accum)
+                tokens += int(batch["attention_mask"].sum())
+                _accumulate(agg, {"loss": loss.item(), **metrics}, t.grad_accum)
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.step += 1
+            dt = time.perf_counter() - t0
+            self.elapsed = time.perf_counter() - started
+            if self.world > 1:  # log the loss of the global batch, not rank 0's share
+                agg["loss"] = self.acc.reduce(torch.tensor(agg["loss"], device=self.acc.device), "mean").item()
+                tokens = int(self.acc.reduce(torch.tensor(tokens, device=self.acc.device), "sum").item())
+            tok_s = tokens / dt
+            last_metrics = {
+                "step": self.step,
+                "epoch": epoch,
+                **agg,
+                "lr": self.sched.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": tok_s,
+                "elapsed_s": self.elapsed,
+            }
+            if self.step % t.log_every == 0 or self.step == self.total_steps:
+                logger.log(last_metrics)
+            acc = agg.get("acc", [])
+            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
+            bar.update(1)
+            if t.time_limit_minutes and self.elapsed >= t.time_limit_minutes * 60:
+                stop_early = True
+            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or stop_early:
+                self.checkpoint_and_eval(last_metrics, logger)
+        bar.close()
+        if self.world > 1:
+            last_metrics["weights_in_sync"] = self.check_weights_in_sync()
+            logger.log({"step": self.step, "weights_in_sync": last_metrics["weights_in_sync"]})
+        logger.close()
+        if stop_early and main:
+            print(f"stopped at step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min (train.time_limit_minutes); "
+                  "relaunch the same command to continue", flush=True)
+        return last_metrics
+
+    def check_weights_in_sync(self) -> bool:
+        """DDP invariant: every rank ends with bit-identical weights (compared by digest)."""
+        h = hashlib.sha256()
+        for _, p in sorted(self.acc.unwrap_model(self.model).state_dict().items()):
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        digest = torch.tensor(list(h.digest()[:8]), dtype=torch.long, device=self.acc.device)
+        everyone = self.acc.gather(digest[None]).view(self.world, -1)
+        return bool((everyone == everyone[0]).all())
+
+    def checkpoint_and_eval(self, metrics: dict, logger: MetricLogger) -> None:
+        path = self.save(metrics)
+        if os.environ.get("DRAFTLAB_FAULT_KILL_AFTER_STEP") == str(self.step):
+            # Fault injection for the resume test: die the hardest way right after a checkpoint.
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.evaluate is not None and self.r.eval.enabled:
+            report = None
+            if self.acc.is_main_process:
+                self.model.eval()
+                report = self.evaluate(path)
+                self.model.train()
+                if report:
+                    logger.log({"step": self.step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup")})
+                    self.mark_best(path, report["tau"])
+                    # the checkpoint's JSON carries the measured acceptance (model cards read it)
+                    meta = ckpt.read_meta(path)
+                    meta["metrics"]["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
+                    ckpt.write_json(path / ckpt.META, meta)
+            self.acc.wait_for_everyone()
+        self.prune()
+
+
+def _accumulate(agg: dict, metrics: dict, n: int) -> None:
+    for k, v in metrics.items():
+        if isinstance(v, list):
+            prev = agg.get(k, [0.0] * len(v))
+            agg[k] = [a + b / n for a, b in zip(prev, v)]
+        else:
+            agg[k] = agg.get(k, 0.0) + v / n
+
+
+def _py_rng_to_json(state):
+    return [state[0], list(state[1]), state[2]]
+
+
+def _py_rng_from_json(obj):
+    return (obj[0], tuple(obj[1]), obj[2])
+
+
+def _np_rng_to_json(state):
+    return [state[0], state[1].tolist(), state[2], state[3], state[4]]
+
+
+def _np_rng_from_json(obj):
+    return (obj[0], np.array(obj[1], dtype=np.uint32), obj[2], obj[3], obj[4])
