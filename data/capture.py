@@ -287,10 +287,19 @@ def _shard_ok(out_dir: Path, entry: dict, planned: tuple[int, int]) -> bool:
     return tuple(entry["samples"]) == planned and path.is_file() and file_sha256(path) == entry["sha256"]
 
 
-def _capture_shard(
-    target, samples: Sequence[Sample], layers: list[int], dtype: torch.dtype, batch_tokens: int,
-    topk: int, on_tokens: Callable[[int], None],
+@torch.inference_mode()
+def capture_samples(
+    target,
+    samples: Sequence[Sample],
+    layers: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    topk: int = 0,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The tensors of one shard, in memory: ``samples`` concatenated in order (see the module
+    docstring for names), computed in :func:`plan_batches` batches. ``layers`` are resolved
+    indices; ``topk`` = 0 stores no log-probs; ``on_tokens(n)`` after each batch."""
     lengths = [s["input_ids"].numel() for s in samples]
     offsets = [0]
     for n in lengths:
@@ -316,7 +325,8 @@ def _capture_shard(
             if topk:
                 topk_values[a:b].copy_(values[r, : b - a])
                 topk_indices[a:b].copy_(indices[r, : b - a])
-        on_tokens(sum(lengths[i] for i in batch))
+        if on_tokens is not None:
+            on_tokens(sum(lengths[i] for i in batch))
     tensors = {
         "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32),
         "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.bool),
@@ -329,17 +339,18 @@ def _capture_shard(
 
 
 def _write_shard(out_dir: Path, name: str, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
-    from safetensors.torch import save_file
+    """Write ``name`` via a temp file + rename; returns (bytes, sha256)."""
+    from safetensors.torch import save
 
-    tmp = out_dir / f".{name}.tmp"
     # one metadata key only: safetensors writes metadata in hash-map order, which differs run to run
-    save_file(tensors, str(tmp), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
-    with open(tmp, "rb+") as f:
+    blob = save(tensors, metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
+    tmp = out_dir / f".{name}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
         os.fsync(f.fileno())
-    digest = file_sha256(tmp)
-    size = tmp.stat().st_size
     os.replace(tmp, out_dir / name)
-    return size, digest
+    return len(blob), hashlib.sha256(blob).hexdigest()
 
 
 def _spec_dict(spec) -> dict | None:
@@ -454,7 +465,7 @@ def capture_offline(
         for idx, (a, b) in enumerate(plan):
             if idx in done:
                 continue
-            tensors = _capture_shard(target, samples[a:b], layer_ids, dtype, batch_tokens, k, bar.update)
+            tensors = capture_samples(target, samples[a:b], layer_ids, dtype, batch_tokens, k, bar.update)
             name = _shard_name(idx)
             size, digest = _write_shard(out_dir, name, tensors)
             tokens = sum(lengths[a:b])

@@ -228,20 +228,24 @@ class Eagle3Drafter(EagleBase):
     def training_loss(self, batch, hidden, cfg: Eagle3Loss):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         T = ids.shape[1]
+        steps = cfg.ttt_steps
         p, in_vocab, target_argmax = self.target_distribution(hidden[self.num_target_layers])
+        # Step i at position t imitates the target at index t+1+i and predicts x_{t+2+i}; the
+        # padded copies below are made once so every step reads a shifted view (no per-step
+        # copies, and logits keep their full length so backward never scatters into zeros).
+        p = F.pad(p, (0, 0, 0, steps + 1))
+        counted_all = F.pad(loss_mask, (0, steps + 2))  # predicted token x_{t+2+i} is an assistant token
+        in_vocab = F.pad(in_vocab, (0, steps + 1))
+        target_argmax = F.pad(target_argmax, (0, steps + 1), value=-1)
         loss = p.new_zeros(())
         step_loss, step_acc = [], []
-        for i, h in self.unroll(ids, hidden, min(cfg.ttt_steps, T - 2), cfg.detach_features):
-            # Only positions t <= T-3-i have both a target (index t+1+i) and a predicted token
-            # (index t+2+i) inside the sequence: slice views instead of padded copies.
-            n = T - 2 - i
-            logits = self.head(h[:, :n])
-            counted = loss_mask[:, 2 + i :]  # the predicted token x_{t+2+i} is an assistant token
-            target = p[:, 1 + i : 1 + i + n]
-            li = eagle3_step_loss(logits, target, counted & in_vocab[:, 1 + i : 1 + i + n], cfg.topk_weight, cfg.topk)
+        for i, h in self.unroll(ids, hidden, steps, cfg.detach_features):
+            logits = self.head(h)
+            counted = counted_all[:, 2 + i : 2 + i + T]
+            li = eagle3_step_loss(logits, p[:, 1 + i : 1 + i + T], counted & in_vocab[:, 1 + i : 1 + i + T], cfg.topk_weight, cfg.topk)
             loss = loss + cfg.decay**i * li
             with torch.no_grad():
-                hit = self.to_target_ids(logits.argmax(-1)) == target_argmax[:, 1 + i : 1 + i + n]
+                hit = self.to_target_ids(logits.argmax(-1)) == target_argmax[:, 1 + i : 1 + i + T]
                 step_acc.append(masked_mean(hit.float(), counted).item())
             step_loss.append(li.item())
         return loss, {"loss_steps": step_loss, "acc": step_acc}
