@@ -591,6 +591,29 @@ class OfflineDataset(torch.utils.data.Dataset):
         return state
 
 
+def collate_captured(items: Sequence[dict], pad_id: int) -> dict:
+    """Right-pad per-sample capture dicts (from :class:`OfflineDataset`) into the batch shape
+    :func:`capture_batch` returns: ``collate``'s ``input_ids``/``loss_mask``/``attention_mask``
+    [B, T] plus ``hidden`` {layer: [B, T, H]} (and top-k [B, T, k]), zeros at padding."""
+    from draftlab.data.dataset import collate
+
+    batch = collate(items, pad_id)
+    B, T = batch["input_ids"].shape
+    batch["hidden"] = {}
+    for layer, h in items[0]["hidden"].items():
+        out = h.new_zeros(B, T, h.shape[-1])
+        for r, item in enumerate(items):
+            out[r, : item["hidden"][layer].shape[0]] = item["hidden"][layer]
+        batch["hidden"][layer] = out
+    for key in ("topk_values", "topk_indices"):
+        if key in items[0]:
+            out = items[0][key].new_zeros(B, T, items[0][key].shape[-1])
+            for r, item in enumerate(items):
+                out[r, : item[key].shape[0]] = item[key]
+            batch[key] = out
+    return batch
+
+
 # ------------------------------------------------------------------------------ CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="HF dir, hub id, .gguf file or 'default' (embedded SmolLM2-135M)")

@@ -243,8 +243,9 @@ class SpeculativeDecoder:
             if on_step is not None:
                 on_step(em.tokens[before:])
             if not done:
+                td = clock()
                 proposer.advance(torch.tensor(emitted, dtype=torch.long, device=device), kept_hidden)
-                res.draft_time += clock() - tc
+                res.draft_time += clock() - td
         res.tokens, res.stop_reason, res.num_steps = em.tokens, em.stop_reason, len(res.accept_lengths)
         res.total_time = clock() - t0
         return res

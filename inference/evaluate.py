@@ -103,8 +103,15 @@ def evaluate(
     total, by_cat = _Totals(), {}
     per_prompt = []
     for i, p in enumerate(prompts):
-        base = generate_plain(target, p.prompt_ids, max_new_tokens, seed=seed + i, **sampling) if baseline else None
-        spec = decoder.generate(p.prompt_ids, max_new_tokens, seed=seed + i, **shape, **sampling)
+        run_base = lambda: generate_plain(target, p.prompt_ids, max_new_tokens, seed=seed + i, **sampling)  # noqa: E731
+        run_spec = lambda: decoder.generate(p.prompt_ids, max_new_tokens, seed=seed + i, **shape, **sampling)  # noqa: E731
+        # Alternate which runs first so slow drift of the machine does not favour one side.
+        if i % 2 == 0:
+            base = run_base() if baseline else None
+            spec = run_spec()
+        else:
+            spec = run_spec()
+            base = run_base() if baseline else None
         for group in (total, by_cat.setdefault(p.category, _Totals())):
             group.add(spec, base, compare)
         per_prompt.append(

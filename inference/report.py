@@ -90,8 +90,11 @@ def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Pa
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", label=f"{label} (τ={r.get('tau', 0):.2f})")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position j")
-        ax.set_ylabel("α_j = a_j / a_{j-1}")
+        ax.set_ylabel(r"$\alpha_j = a_j\,/\,a_{j-1}$")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         if reports:

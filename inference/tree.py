@@ -17,23 +17,29 @@ from draftlab.inference.proposer import DraftTree
 
 
 def validate_tree(tree: DraftTree, vocab_size: int | None = None) -> None:
-    """Reject a malformed tree early: a wrong tree silently breaks losslessness or the cache."""
+    """Reject a malformed tree early: a wrong tree silently breaks losslessness or the cache.
+    All checks are reduced on the tree's device and read back with one host sync."""
     n = tree.tokens.numel()
     if tree.parents.shape != (n,) or tree.depth.shape != (n,) or tree.tokens.shape != (n,):
         raise ValueError(f"draft tree: tokens, parents and depth must all be 1-D of length {n}")
     if n == 0:
         return
     node = torch.arange(1, n + 1, device=tree.parents.device)
-    if bool(((tree.parents < 0) | (tree.parents >= node)).any()):
-        raise ValueError("draft tree: every parent must be an earlier node (0 = root)")
+    bad_parent = ((tree.parents < 0) | (tree.parents >= node)).any()
     full_depth = torch.cat([tree.depth.new_zeros(1), tree.depth])
-    if not torch.equal(tree.depth, full_depth[tree.parents] + 1):
-        raise ValueError("draft tree: depth must be the parent's depth + 1")
-    if vocab_size is not None and bool(((tree.tokens < 0) | (tree.tokens >= vocab_size)).any()):
-        raise ValueError("draft tree: token id outside the target vocabulary")
+    bad_depth = tree.depth != full_depth[tree.parents.clamp(0, n)] + 1
+    bad_token = (tree.tokens < 0) | (tree.tokens >= vocab_size) if vocab_size is not None else tree.tokens < 0
     # Multi-candidate verification removes a rejected sibling's token from p: siblings must differ.
-    key = tree.parents * (int(tree.tokens.max()) + 1) + tree.tokens
-    if key.unique().numel() != n:
+    key = (tree.parents.clamp(0, n) * (tree.tokens.max().clamp(min=0) + 1) + tree.tokens).sort().values
+    dup = (key[1:] == key[:-1]).any()
+    checks = torch.stack([bad_parent, bad_depth.any(), bad_token.any(), dup]).tolist()
+    if checks[0]:
+        raise ValueError("draft tree: every parent must be an earlier node (0 = root)")
+    if checks[1]:
+        raise ValueError("draft tree: depth must be the parent's depth + 1")
+    if checks[2]:
+        raise ValueError("draft tree: token id outside the target vocabulary")
+    if checks[3]:
         raise ValueError("draft tree: siblings must carry distinct tokens")
 
 
@@ -81,7 +87,9 @@ def tree_verify_inputs(root_token: int, tree: DraftTree) -> TreeVerifyInputs:
     tokens = torch.cat([torch.tensor([root_token], dtype=torch.long, device=device), tree.tokens.long()])
     parents = torch.cat([torch.tensor([-1], dtype=torch.long, device=device), tree.parents.long()])
     depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depth.long()])
-    return TreeVerifyInputs(tokens, parents, depth, ancestor_mask(parents))
+    # The mask walk loops once per level: do it on the host (tens of nodes) and copy once.
+    mask = ancestor_mask(parents.cpu()).to(device)
+    return TreeVerifyInputs(tokens, parents, depth, mask)
 
 
 def accepted_slots(start: int, path: torch.Tensor, num_accepted: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from draftlab.data.capture import (
     OfflineDataset,
     capture_batch,
     capture_offline,
+    collate_captured,
     plan_batches,
     plan_shards,
     resolve_layers,
@@ -149,6 +150,17 @@ def test_offline_roundtrip_float32_exact(tiny_llama, tmp_path):
             assert h.dtype == torch.float32 and torch.equal(h, online["hidden"][layer][0])
         assert torch.equal(item["topk_values"], online["topk_values"][0])
         assert torch.equal(item["topk_indices"], online["topk_indices"][0])
+    # a padded batch of offline samples has the online batch's shape and values on real tokens
+    batch = collate_captured([ds[i] for i in range(4)], pad_id=2)
+    ref_in = collate(samples[:4], pad_id=2)
+    online = capture_batch(target, ref_in["input_ids"], ref_in["attention_mask"], "eagle3", logits="topk", topk=3)
+    for key in ("input_ids", "loss_mask", "attention_mask"):
+        assert torch.equal(batch[key], ref_in[key])
+    real = ref_in["attention_mask"].bool()
+    for layer, h in online["hidden"].items():
+        assert batch["hidden"][layer].shape == h.shape and (batch["hidden"][layer][~real] == 0).all()
+        torch.testing.assert_close(batch["hidden"][layer][real], h[real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(batch["topk_indices"][real], online["topk_indices"][real])
 
 
 def test_offline_roundtrip_bfloat16_batched(tiny_llama, tmp_path):

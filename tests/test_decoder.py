@@ -19,6 +19,16 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding draf
 REF_LEN = 40
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest single-threaded; on a loaded 2-core machine, two threads
+    spinning on microsecond-sized ops are 10-30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _prompt_ids(target, text=PROMPT):
     return target.tokenizer(text)["input_ids"]
 
@@ -277,7 +287,7 @@ def test_sampling_preserves_target_distribution(tiny_llama, method, point_mass):
     """The first three tokens (t0 from the prefill, t1 and t2 through verification) jointly
     follow the target's top-k=3 distribution: 27 cells, chi-square test."""
     prompt = _prompt_ids(tiny_llama)
-    temperature, top_k, n = 1.0, 3, 1200
+    temperature, top_k, n = 1.0, 3, 600
     joint = _exact_joint(tiny_llama, prompt, 3, temperature, top_k)
     prop = PerturbedProposer(tiny_llama, scale=1.0, seed=5, point_mass=point_mass)
     dec = SpeculativeDecoder(tiny_llama, prop)
@@ -287,10 +297,11 @@ def test_sampling_preserves_target_distribution(tiny_llama, method, point_mass):
         counts[tuple(r.tokens)] += 1
         steps.update(r.accept_lengths[:1])
     assert len(steps) == 3, steps  # first verify step accepted 0, 1 and 2 drafts at times
-    assert _chi2_pvalue(counts, joint, n) > 1e-3
+    pv = _chi2_pvalue(counts, joint, n)
     # The test has power: the same counts are far from a distribution that differs in t1/t2.
     skewed = _exact_joint(tiny_llama, prompt, 3, temperature, 2)
-    skewed = {c: 0.5 * joint[c] + 0.5 * skewed.get(c, 0.0) for c in joint}
+    skewed = {c: 0.7 * joint[c] + 0.3 * skewed.get(c, 0.0) for c in joint}
+    assert pv > 1e-3
     assert _chi2_pvalue(counts, skewed, n) < 1e-3
 
 

@@ -54,8 +54,9 @@ def publish(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-def save_weights(tmp: Path, drafter, meta: dict) -> None:
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
+def save_weights(tmp: Path, state: dict, meta: dict) -> None:
+    """``state``: the drafter's full (gathered) state dict; ``meta`` from :func:`checkpoint_meta`."""
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, tmp / WEIGHTS, metadata={"format": FORMAT, "algorithm": meta["algorithm"]})
     write_json(tmp / META, {"format": FORMAT, **meta})
 

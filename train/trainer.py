@@ -197,11 +197,13 @@ class Trainer:
                 "numpy": _np_rng_to_json(np.random.get_state()),
             },
         )
+        # Every rank joins the gather (FSDP / ZeRO-3 shard the weights); the main process writes.
+        state = self.acc.get_state_dict(self.model)
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             drafter = self.acc.unwrap_model(self.model)
             meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.r.model_dump(mode="json"), self.step, metrics)
-            ckpt.save_weights(tmp_name, drafter, meta)
+            ckpt.save_weights(tmp_name, state, meta)
             torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}, tmp_name / "trainer" / "optimizer.pt")
             ckpt.write_json(
                 tmp_name / "trainer" / "state.json",

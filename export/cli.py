@@ -1,0 +1,35 @@
+"""``draftlab export CKPT --to {vllm,sglang,hf} OUT [--target default]``."""
+
+from __future__ import annotations
+
+import argparse
+
+from draftlab.export.formats import ENGINES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="draftlab checkpoint directory (e.g. runs/x/checkpoints/step-0000500)")
+    p.add_argument("--to", required=True, choices=ENGINES, help="vllm: speculators/EAGLE format; sglang: SGLang layout; hf: draftlab layout")
+    p.add_argument("out", help="output directory (written atomically)")
+    p.add_argument("--target", default="default", help="the target the checkpoint was trained for (HF dir, hub id, .gguf, 'default')")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="written into serving configs; default: the recipe's eval.k, else 3")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast weights (default: as stored)")
+    p.add_argument("--verifier", default=None, help="verifier name_or_path written into the speculators config (default: the target's name)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+
+
+def run(args) -> int:
+    from draftlab.errors import DraftlabError
+    from draftlab.export.exporter import default_speculative_tokens, export_checkpoint
+    from draftlab.export.formats import ExportOptions
+    from draftlab.train.checkpoint import read_meta
+
+    k = args.num_speculative_tokens
+    if k is None:
+        k = default_speculative_tokens(read_meta(args.checkpoint))
+    if k < 1:
+        raise DraftlabError(f"--num-speculative-tokens must be >= 1, got {k}")
+    opts = ExportOptions(speculative_tokens=k, dtype=args.dtype, verifier=args.verifier)
+    out = export_checkpoint(args.checkpoint, args.to, args.out, args.target, opts, overwrite=args.overwrite)
+    print(f"exported {args.checkpoint} for {args.to} -> {out} (see {out}/README.md)")
+    return 0

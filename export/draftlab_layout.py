@@ -1,0 +1,42 @@
+"""``--to hf``: draftlab's own layout for the Hugging Face Hub.
+
+The directory is a draftlab checkpoint (``model.safetensors`` + ``draftlab.json``, written by the
+one checkpoint writer, so ``draftlab eval --drafter`` and fine-tuning read it as is) without the
+trainer state, plus a ``config.json`` describing the drafter for the Hub and a model card.
+"""
+
+from __future__ import annotations
+
+from draftlab.errors import DraftlabError
+from draftlab.export.formats import ExportOptions, Format, register
+
+
+class DraftlabLayout(Format):
+    name = ""  # already a draftlab checkpoint: nothing to import
+    algorithm = "*"
+    engines = ("hf",)
+    title = "draftlab checkpoint layout (read by `draftlab eval` / `draftlab import` / training)"
+
+    def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
+        algo = meta["algorithm"]
+        return {
+            "architectures": [f"Draftlab{algo.capitalize()}Drafter"],
+            "model_type": "draftlab-drafter",
+            "draftlab_algorithm": algo,
+            "drafter": meta["drafter"],
+            "target": meta["target"],
+        }
+
+    def save(self, tmp, drafter, target, meta, opts: ExportOptions) -> None:
+        from draftlab.train.checkpoint import save_weights, write_json
+
+        if opts.dtype:
+            raise DraftlabError("--dtype: --to hf keeps the stored dtype (draftlab casts to the target's dtype on load)")
+        save_weights(tmp, drafter.trainable_state_dict(), {k: v for k, v in meta.items() if k != "format"})
+        write_json(tmp / "config.json", self.export_config(drafter, target, meta, opts))
+
+    def serving(self, out, target_name, opts):
+        return f"```bash\ndraftlab eval --drafter {out} --target {target_name}\n```"
+
+
+register(DraftlabLayout())

@@ -1,0 +1,107 @@
+"""EAGLE-1 <-> the EAGLE repository layout (SafeAILab/EAGLE ``cnets1``/``cnets`` ``Model``),
+loaded by SGLang's ``LlamaForCausalLMEagle`` and (without fc bias) vLLM's ``EagleLlamaForCausalLM``.
+
+* Tensors keep draftlab's names: ``fc.weight``/``fc.bias`` (2H -> H), ``layers.{i}.*`` with no
+  ``input_layernorm`` on layer 0, plus ``embed_tokens.weight`` copied from the target (EAGLE's
+  ``Model`` has the parameter; SGLang and vLLM replace it by the target's at load time). No
+  lm_head: every loader uses the target's.
+* Config: a Llama config of the drafter's layers with ``num_hidden_layers`` = drafter layers.
+  ``architectures`` differs per engine, so there are two exports:
+  ``--to sglang`` writes ``LlamaForCausalLMEagle`` (what SGLang instantiates) and keeps fc.bias;
+  ``--to vllm`` writes ``LlamaForCausalLM`` (vLLM's EAGLEConfig renames it to
+  ``EagleLlamaForCausalLM``) — whose fc has *no bias*, so it is refused unless fc.bias is
+  exactly zero (then it is dropped, which is exact).
+* No ``bias`` key is written: vLLM's and SGLang's Llama decoder layers read ``config.bias`` as
+  "attention has biases" and would expect q/k/v/o biases.
+* Weights are ``model.safetensors`` (no pickles). EAGLE's ``EaModel.from_pretrained`` tries
+  ``pytorch_model.bin`` first and falls back to ``model.safetensors``; the eagle-llm 1.2.1
+  package's ``Model`` hard-codes RoPE base 10000 (fine for Llama-2-era targets only).
+"""
+
+from __future__ import annotations
+
+from draftlab.errors import DraftlabError
+from draftlab.export.formats import ExportOptions, Format, layer_config, llama_compatible, register, shape_from_config
+
+
+class EagleLayout(Format):
+    algorithm = "eagle1"
+
+    def __init__(self, name: str, engine: str, architecture: str, fc_bias: bool):
+        self.name, self.engines, self.architecture, self.fc_bias = name, (engine,), architecture, fc_bias
+        self.title = f"EAGLE repository layout (`{architecture}`{'' if fc_bias else ', fc without bias'})"
+
+    def check_exportable(self, drafter, target) -> None:
+        engine = self.engines[0]
+        llama_compatible(drafter, f"--to {engine}: the EAGLE-1 drafter ({self.architecture})")
+        if not self.fc_bias:
+            b = drafter.fc.bias.detach().abs().max().item()
+            if b != 0.0:
+                raise DraftlabError(
+                    f"--to {engine}: vLLM's EagleLlamaForCausalLM has an fc without bias and this drafter's fc.bias "
+                    f"is non-zero (max |b| = {b:.3g}); export --to sglang (LlamaForCausalLMEagle keeps the bias)"
+                )
+
+    def export_state(self, drafter, target):
+        state = super().export_state(drafter, target)
+        if not self.fc_bias:
+            state.pop("fc.bias")  # checked to be exactly zero
+        return state
+
+    def extra_tensors(self, drafter, target):
+        return {"embed_tokens.weight": target.embed_tokens.weight}
+
+    def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
+        return layer_config(drafter.shape, len(drafter.layers), drafter.vocab_size, "llama", architectures=[self.architecture])
+
+    def serving(self, out, target_name, opts):
+        k = opts.speculative_tokens
+        if self.engines[0] == "vllm":
+            return (
+                f"```bash\nvllm serve {target_name} --speculative-config "
+                f"'{{\"model\": \"{out}\", \"method\": \"eagle\", \"num_speculative_tokens\": {k}}}'\n```"
+            )
+        return (
+            f"```bash\npython -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE \\\n"
+            f"  --speculative-draft-model-path {out} --speculative-num-steps {k} \\\n"
+            f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```\n"
+            "The EAGLE repository (`EaModel.from_pretrained(base_model_path=..., ea_model_path=...)`) reads the same "
+            "directory: it looks for `pytorch_model.bin` first and falls back to `model.safetensors`."
+        )
+
+    def notes(self, drafter, config):
+        out = [
+            "Feature: the target's last hidden state after its final norm (HF `hidden_states[L]`); no lm_head is stored, "
+            "the target's is used.",
+            "`embed_tokens.weight` is a copy of the target's embedding (EAGLE's `Model` has the parameter).",
+            "Weights are `model.safetensors`. EAGLE's own `EaModel.from_pretrained` looks for `pytorch_model.bin` first and "
+            "falls back to `model.safetensors`; to produce a `.bin` anyway: "
+            "`python -c \"import torch; from safetensors.torch import load_file; "
+            "torch.save(load_file('model.safetensors'), 'pytorch_model.bin')\"`.",
+        ]
+        if not self.fc_bias:
+            out.append("fc.bias was exactly zero and is omitted (vLLM's EagleLlamaForCausalLM has no fc bias).")
+        return out
+
+    def import_meta(self, config, tensors, target):
+        where = "EAGLE config.json"
+        shape, cfg = shape_from_config(config, where, target)
+        if shape.hidden_size != target.hidden_size:
+            raise DraftlabError(f"{where}: hidden_size {shape.hidden_size} does not match the target's {target.hidden_size}")
+        if cfg.vocab_size != target.vocab_size:
+            raise DraftlabError(f"{where}: vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
+        if "fc.bias" not in tensors and "fc.weight" in tensors:
+            # vLLM's EAGLE layout has no fc bias (= zero); EAGLE's own declares `"bias": false`.
+            if config.get("bias", False):
+                raise DraftlabError(f"{where}: \"bias\": true but the weights have no fc.bias")
+            tensors["fc.bias"] = tensors["fc.weight"].new_zeros(shape.hidden_size)
+        return {
+            "shape": shape.model_dump(),
+            "vocab_size": target.vocab_size,
+            "num_layers": cfg.num_hidden_layers,
+            "num_target_layers": target.num_layers,
+        }
+
+
+register(EagleLayout("eagle", "sglang", "LlamaForCausalLMEagle", fc_bias=True))
+register(EagleLayout("", "vllm", "LlamaForCausalLM", fc_bias=False))

@@ -1,0 +1,57 @@
+"""Export a draftlab checkpoint into the layout a serving engine loads (see ``formats.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+from draftlab.export.formats import ENGINES, ExportOptions, export_format
+
+
+def default_speculative_tokens(meta: dict) -> int:
+    """The chain length the checkpoint was evaluated with, else 3 (speculators' converter default)."""
+    k = (((meta.get("recipe") or {}).get("eval")) or {}).get("k")
+    return int(k) if isinstance(k, int) and k >= 1 else 3
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise DraftlabError(f"output {out} exists and is not empty (pass --overwrite to replace it)")
+
+
+def load_target(target, device: str = "cpu"):
+    from draftlab.models.target import Target
+
+    return target if not isinstance(target, str) else Target.load(target, device=device)
+
+
+def export_checkpoint(checkpoint, engine: str, out, target="default", opts: ExportOptions | None = None, overwrite: bool = False) -> Path:
+    """Write ``checkpoint`` (a draftlab checkpoint directory) as ``engine``'s layout to ``out``
+    atomically, with a model card. ``target`` is a spec string or a loaded ``Target``; a
+    checkpoint trained for another target is refused."""
+    from draftlab.export.model_card import render
+    from draftlab.train.checkpoint import load_drafter, publish, read_meta, staging_dir
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if engine not in ENGINES:
+        raise DraftlabError(f"--to: unknown engine '{engine}' (choose from {', '.join(ENGINES)})")
+    check_out_dir(out, overwrite)
+    meta = read_meta(checkpoint)
+    fmt = export_format(engine, meta["algorithm"])
+    opts = opts or ExportOptions(speculative_tokens=default_speculative_tokens(meta))
+    target = load_target(target)
+    drafter, meta = load_drafter(checkpoint, target)
+    fmt.check_exportable(drafter, target)
+    tmp = staging_dir(out)
+    try:
+        fmt.save(tmp, drafter, target, meta, opts)
+        config = json.loads((tmp / "config.json").read_text())
+        card = render(meta, fmt, drafter, config, engine, str(out), str(checkpoint), opts)
+        (tmp / "README.md").write_text(card)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

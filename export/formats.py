@@ -1,0 +1,303 @@
+"""The mapping interface between draftlab checkpoints and the layouts serving stacks load.
+
+A :class:`Format` is one (algorithm, layout) pair: a table of tensor-name prefix renames, the
+tensors the layout wants that draftlab does not store (``extra_tensors``), a config builder
+(``export_config``) and its inverse (``import_meta``). Formats are registered by name for
+``draftlab import --format`` and by (engine, algorithm) for ``draftlab export --to``, so a new
+drafter (Medusa -> vLLM ``MedusaModel``, DFlash) is one more module with one more entry.
+
+Strictness is the point: the set of tensor names a format produces and accepts is computed
+from the drafter itself (its ``trainable_state_dict``) plus the declared extras, and anything
+outside it is an error listing the names — serving loaders that skip unknown keys would
+otherwise load random weights without a word.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from draftlab.errors import DraftlabError
+
+FORMATS: dict[str, "Format"] = {}  # import name -> format
+EXPORTS: dict[tuple[str, str], "Format"] = {}  # (engine, algorithm) -> format
+ENGINES = ("vllm", "sglang", "hf")
+
+
+class ExportOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    speculative_tokens: int = Field(3, ge=1, description="drafts per step written into serving configs")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="cast floating tensors; None = as stored")
+    verifier: str | None = Field(None, description="verifier name_or_path in the config; default: the target's name")
+
+
+def register(fmt: "Format") -> "Format":
+    if fmt.name:
+        FORMATS[fmt.name] = fmt
+    for engine in fmt.engines:
+        EXPORTS[(engine, fmt.algorithm)] = fmt
+    return fmt
+
+
+def _load_all() -> None:
+    # importing the mapping modules registers them
+    from draftlab.export import draftlab_layout, eagle, sglang, speculators  # noqa: F401
+
+
+def export_format(engine: str, algorithm: str) -> "Format":
+    _load_all()
+    fmt = EXPORTS.get((engine, algorithm)) or EXPORTS.get((engine, "*"))
+    if fmt is None:
+        known = sorted(e for e, a in EXPORTS if a in (algorithm, "*"))
+        raise DraftlabError(f"--to {engine}: no export of {algorithm} drafters for {engine} (available: {', '.join(known) or 'none'})")
+    return fmt
+
+
+def import_format(name: str) -> "Format":
+    _load_all()
+    if name not in FORMATS:
+        raise DraftlabError(f"--format: unknown format '{name}' (known: {', '.join(sorted(FORMATS))})")
+    return FORMATS[name]
+
+
+def rename(name: str, rules) -> str:
+    """First matching prefix rule wins; names no rule matches are unchanged."""
+    for src, dst in rules:
+        if name.startswith(src):
+            return dst + name[len(src) :]
+    return name
+
+
+class Format:
+    name: str = ""  # `draftlab import --format` name ("" = export only)
+    algorithm: str = "*"  # drafter algorithm held ("*" = any)
+    engines: tuple[str, ...] = ()  # `draftlab export --to` values served by this format
+    renames: tuple[tuple[str, str], ...] = ()  # (draftlab prefix, format prefix)
+    title: str = ""  # one line for the model card
+
+    # ---- names ------------------------------------------------------------------
+    def to_format(self, name: str) -> str:
+        return rename(name, self.renames)
+
+    def from_format(self, name: str) -> str:
+        return rename(name, [(b, a) for a, b in self.renames])
+
+    # ---- export -----------------------------------------------------------------
+    def check_exportable(self, drafter, target) -> None:
+        """Raise DraftlabError when the layout cannot represent this drafter exactly."""
+
+    def extra_tensors(self, drafter, target) -> dict[str, torch.Tensor]:
+        """Tensors (format names) the layout wants that draftlab does not store."""
+        return {}
+
+    def export_config(self, drafter, target, meta: dict, opts: ExportOptions) -> dict:
+        raise NotImplementedError
+
+    def export_state(self, drafter, target) -> dict[str, torch.Tensor]:
+        state = {self.to_format(k): v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
+        extra = self.extra_tensors(drafter, target)
+        clash = sorted(set(state) & set(extra))
+        if clash:  # a mapping bug, not user input
+            raise RuntimeError(f"{self.name}: extra tensors overwrite drafter tensors {clash}")
+        return {**state, **{k: v.detach().cpu() for k, v in extra.items()}}
+
+    def save(self, tmp: Path, drafter, target, meta: dict, opts: ExportOptions) -> None:
+        """Write the layout's files (weights + config.json) into the staging directory."""
+        from safetensors.torch import save_file
+
+        from draftlab.train.checkpoint import write_json
+
+        state = self.export_state(drafter, target)
+        if opts.dtype:
+            dtype = getattr(torch, opts.dtype)
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = self.export_config(drafter, target, meta, opts)
+        config["torch_dtype"] = opts.dtype or str(next(iter(drafter.parameters())).dtype).removeprefix("torch.")
+        write_json(tmp / "config.json", config)
+
+    def serving(self, out: str, target_name: str, opts: ExportOptions) -> str:
+        """Markdown: how to serve the exported directory."""
+        return ""
+
+    def notes(self, drafter, config: dict) -> list[str]:
+        """Model-card bullets on what this layout does with the drafter (conventions, omissions)."""
+        return []
+
+    # ---- import -----------------------------------------------------------------
+    def import_meta(self, config: dict, tensors: dict[str, torch.Tensor], target) -> dict:
+        """The drafter meta (``Drafter.from_meta``) a foreign config describes, validated
+        against ``target``. ``tensors`` (already renamed to draftlab names) is edited in place:
+        format-only tensors are checked and removed, redundant missing ones derived. Whatever
+        is left must then match the drafter's state dict exactly."""
+        raise NotImplementedError
+
+
+# ---- helpers shared by the mappings ------------------------------------------------------
+
+
+# PretrainedConfig bookkeeping that says nothing about the layers (to_dict writes it all)
+_GENERIC_KEYS = (
+    "architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id",
+    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
+    "problem_type",
+)
+
+
+def layer_config(shape, num_layers: int, vocab_size: int, model_type: str = "llama", **overrides) -> dict:
+    """The HF config dict of a drafter's decoder layers, written as a ``model_type`` config.
+
+    Both the new (``rope_parameters``) and the legacy (``rope_theta`` / ``rope_scaling``) RoPE
+    keys are written: readers on transformers 4.x (and EAGLE's own config class) only know the
+    legacy ones and would silently fall back to theta = 10000."""
+    cfg = shape.model_copy(update={"model_type": model_type}).hf_config()
+    cfg.num_hidden_layers = num_layers
+    cfg.vocab_size = vocab_size
+    cfg.attention_bias = shape.attention_bias
+    cfg.tie_word_embeddings = False
+    d = cfg.to_dict()
+    rope = dict(shape.rope)
+    d["rope_theta"] = rope.get("rope_theta", 10000.0)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    d["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    for k in _GENERIC_KEYS:
+        d.pop(k, None)
+    d.update(overrides)
+    return d
+
+
+def shape_from_config(config: dict, where: str, target):
+    """A ``LayerShape`` from a foreign HF-style config dict (llama/mistral/qwen2/qwen3). Its
+    ``model_type`` is set to the target's family, as for drafters built in draftlab: the layer
+    structure itself is carried by the flags (attention_bias, qk_norm), and the RoPE is the
+    same whichever family's config computes it."""
+    from transformers import AutoConfig
+
+    from draftlab.models.layers import LayerShape
+    from draftlab.models.target import SUPPORTED_MODEL_TYPES
+
+    mt = config.get("model_type", "llama")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise DraftlabError(f"{where}: model_type '{mt}' is not a supported decoder-layer family ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    kw = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
+    try:
+        cfg = AutoConfig.for_model(mt, **kw)
+        shape = LayerShape.from_hf(cfg)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise DraftlabError(f"{where}: cannot read the decoder-layer config ({e})") from None
+    if shape.hidden_act != "silu":
+        raise DraftlabError(f"{where}: hidden_act '{shape.hidden_act}' is not supported (only silu)")
+    return shape.model_copy(update={"model_type": target.config.model_type}), cfg
+
+
+def llama_compatible(drafter, engine_what: str) -> None:
+    """Refuse layers a Llama-only loader would drop (q/k norms) or mis-shape (q/k/v bias)."""
+    s = drafter.shape
+    if s.qk_norm:
+        raise DraftlabError(f"{engine_what} builds Llama decoder layers without q/k RMSNorm; this drafter (target family {s.model_type}) has them")
+    if s.attention_bias:
+        raise DraftlabError(f"{engine_what} builds Llama decoder layers without q/k/v bias; this drafter (target family {s.model_type}) has them")
+
+
+def serving_aux_ids(aux: list[int], num_target_layers: int, what: str) -> None:
+    """Serving engines capture aux states at decoder-layer inputs 1..L-1 only: index 0 (the
+    embedding) and L (draftlab's post-final-norm state) have no equivalent there."""
+    bad = [i for i in aux if not 1 <= i <= num_target_layers - 1]
+    if bad:
+        raise DraftlabError(
+            f"drafter.aux_layers {aux}: {what} can only capture hidden states 1..{num_target_layers - 1} (inputs of decoder layers), not {bad}"
+        )
+
+
+def read_config(src: Path) -> dict:
+    f = src / "config.json"
+    if not f.is_file():
+        raise DraftlabError(f"{src}: no config.json")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftlabError(f"{f}: invalid JSON ({e.msg})") from None
+
+
+def read_tensors(src: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: model.safetensors, sharded safetensors (index),
+    or pytorch_model.bin (read with ``weights_only=True``: tensors only, no code)."""
+    from safetensors.torch import load_file
+
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for s in shards:
+            out.update(load_file(src / s))
+        return out
+    if (src / "model.safetensors").is_file():
+        return load_file(src / "model.safetensors")
+    if (src / "pytorch_model.bin").is_file():
+        try:
+            state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling refusal is a user-file problem
+            raise DraftlabError(f"{src / 'pytorch_model.bin'}: not a plain tensor dict ({str(e).splitlines()[0]})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise DraftlabError(f"{src / 'pytorch_model.bin'}: not a plain name -> tensor dict")
+        return state
+    raise DraftlabError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def check_embedding(tensors: dict, target, where: str) -> None:
+    """A foreign checkpoint may carry the embedding it was trained with; draftlab always uses
+    the target's (shared, frozen), so it must be the same matrix up to storage rounding."""
+    emb = tensors.pop("embed_tokens.weight", None)
+    if emb is None:
+        return
+    ref = target.embed_tokens.weight.detach().cpu()
+    if tuple(emb.shape) != tuple(ref.shape):
+        raise DraftlabError(f"{where}: embed_tokens.weight has shape {tuple(emb.shape)}, the target's is {tuple(ref.shape)}")
+    diff = (emb.float() - ref.to(emb.dtype).float()).abs().max().item()
+    if diff > 1e-2 * max(ref.abs().max().item(), 1e-6):
+        raise DraftlabError(f"{where}: embed_tokens.weight differs from the target's embedding (max |diff| {diff:.3g}): trained for another target?")
+
+
+def vocab_maps(tensors: dict, vocab_size: int, draft_vocab_size: int, where: str, lm_head: str = "lm_head.weight") -> None:
+    """Make ``d2t``/``t2d`` present and consistent: a full vocabulary needs neither; ``t2d`` is
+    derivable from ``d2t`` (SGLang ignores and some exports omit it). Inconsistent maps are an error."""
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None:
+        if draft_vocab_size != vocab_size:
+            raise DraftlabError(f"{where}: missing tensor d2t (draft vocab {draft_vocab_size} < target vocab {vocab_size})")
+        d2t = torch.zeros(vocab_size, dtype=torch.long)
+    d2t = d2t.long()
+    if d2t.shape != (draft_vocab_size,):
+        raise DraftlabError(f"{where}: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},)")
+    target_ids = torch.arange(draft_vocab_size) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= vocab_size or target_ids.unique().numel() != draft_vocab_size:
+        raise DraftlabError(f"{where}: d2t does not map the draft vocabulary onto distinct target ids < {vocab_size}")
+    derived = torch.zeros(vocab_size, dtype=torch.bool)
+    derived[target_ids] = True
+    if t2d is not None and not torch.equal(t2d.bool(), derived):
+        raise DraftlabError(f"{where}: t2d disagrees with d2t")
+    # draftlab orders the draft vocabulary by target id (its training restricts target logits
+    # with the t2d mask, i.e. in target-id order). Another order is the same drafter with its
+    # lm_head rows permuted: sort both, losslessly.
+    order = target_ids.argsort()
+    if not torch.equal(order, torch.arange(draft_vocab_size)) and lm_head in tensors:
+        tensors[lm_head] = tensors[lm_head][order]
+        target_ids = target_ids[order]
+        d2t = target_ids - torch.arange(draft_vocab_size)
+    tensors["d2t"], tensors["t2d"] = d2t, derived
+
+
+def take_zero_bias(tensors: dict, names: list[str], where: str) -> None:
+    """Remove biases a Llama layer with ``attention_bias`` has and draftlab's layers do not
+    (o_proj): accepted only when exactly zero, so nothing the loader computes is dropped."""
+    for n in names:
+        b = tensors.pop(n, None)
+        if b is None:
+            raise DraftlabError(f"{where}: missing tensor {n}")
+        if b.abs().max().item() != 0.0:
+            raise DraftlabError(f"{where}: {n} is non-zero; draftlab's decoder layers have no o_proj bias")

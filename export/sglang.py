@@ -1,0 +1,123 @@
+"""EAGLE-3 <-> SGLang's ``LlamaForCausalLMEagle3`` (``python/sglang/srt/models/llama_eagle3.py``),
+the layout SpecForge trains and exports.
+
+* Tensors: the first decoder layer is ``midlayer.*``; ``fc``, ``norm``, ``lm_head``, ``d2t``,
+  ``t2d`` keep their names. SGLang turns ``d2t`` into ``hot_token_id = d2t + arange`` and
+  ignores ``t2d`` (written anyway: SpecForge's exporter requires it). No ``embed_tokens``:
+  SGLang's EAGLE worker replaces the drafter's embedding with the target's.
+* SGLang skips unknown tensor names silently, so the set written here is exactly the set its
+  model (and SpecForge's) has, minus the shared embedding — checked in the test-suite.
+* Only single-layer, Llama-layer drafters are exported: ``midlayer``'s q/k/v have no bias and
+  no q/k norm, and SGLang's ``additional_layers`` (BasicDecoderLayer) restart the residual from
+  the previous layer's MLP output only, so a deeper draftlab drafter would load but compute
+  something else.
+* Aux layers are off by one: SGLang captures ``layers_to_capture = [id + 1 for id in
+  eagle_aux_hidden_state_layer_ids]`` (the input of decoder layer id+1 = the output of layer
+  id), so ``eagle_config.eagle_aux_hidden_state_layer_ids = [i - 1 for i in aux_layers]``;
+  draftlab's default ``[2, L//2, L-3]`` becomes SpecForge's ``[1, L//2-1, L-4]``. Without the
+  key SGLang captures ``[2, L//2, L-3]`` directly (no shift).
+"""
+
+from __future__ import annotations
+
+from draftlab.errors import DraftlabError
+from draftlab.export.formats import (
+    ExportOptions,
+    Format,
+    layer_config,
+    llama_compatible,
+    register,
+    serving_aux_ids,
+    shape_from_config,
+    vocab_maps,
+)
+
+
+class SGLangEagle3(Format):
+    name = "sglang"
+    algorithm = "eagle3"
+    engines = ("sglang",)
+    renames = (("layers.0.", "midlayer."),)
+    title = "SGLang `LlamaForCausalLMEagle3` (SpecForge layout)"
+
+    def check_exportable(self, drafter, target) -> None:
+        llama_compatible(drafter, "--to sglang: SGLang's LlamaForCausalLMEagle3")
+        if len(drafter.layers) != 1:
+            raise DraftlabError(
+                f"--to sglang: drafter has {len(drafter.layers)} layers; SGLang's extra EAGLE-3 layers "
+                "(additional_layers) drop the residual between layers, so only 1-layer drafters export exactly"
+            )
+        serving_aux_ids(drafter.aux_layers, drafter.num_target_layers, "SGLang")
+
+    def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
+        s = drafter.shape
+        return layer_config(
+            s,
+            1,
+            drafter.vocab_size,
+            "llama",
+            architectures=["LlamaForCausalLMEagle3"],
+            draft_vocab_size=drafter.lm_head.out_features,
+            target_hidden_size=s.hidden_size,
+            eagle_config={
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.aux_layers],
+                "use_aux_hidden_state": True,
+            },
+        )
+
+    def serving(self, out, target_name, opts):
+        k = opts.speculative_tokens
+        return (
+            f"```bash\npython -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE3 \\\n"
+            f"  --speculative-draft-model-path {out} --speculative-num-steps {k} \\\n"
+            f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```"
+        )
+
+    def notes(self, drafter, config):
+        ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        return [
+            f"`eagle_config.eagle_aux_hidden_state_layer_ids = {ids}` = draftlab `aux_layers` {list(drafter.aux_layers)} minus 1: "
+            "SGLang captures the input of layer id+1 (SpecForge's convention).",
+            "The first (only) decoder layer is stored as `midlayer.*`; `t2d` is included although SGLang ignores it.",
+            "No `embed_tokens.weight`: SGLang's EAGLE worker uses the target's embedding.",
+        ]
+
+    def import_meta(self, config, tensors, target):
+        where = "SGLang config.json"
+        arch = (config.get("architectures") or [None])[0]
+        if arch != "LlamaForCausalLMEagle3":
+            raise DraftlabError(f"{where}: architectures[0] is {arch!r}, expected 'LlamaForCausalLMEagle3'")
+        shape, cfg = shape_from_config(config, where, target)
+        if shape.attention_bias or shape.qk_norm:
+            raise DraftlabError(f"{where}: SGLang's LlamaForCausalLMEagle3 has no q/k/v bias or q/k norm; this config declares them")
+        if cfg.num_hidden_layers != 1:
+            raise DraftlabError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; only 1-layer drafters have draftlab's semantics")
+        if cfg.tie_word_embeddings:
+            raise DraftlabError(f"{where}: tie_word_embeddings = true (SGLang would use the embedding as lm_head)")
+        if shape.hidden_size != target.hidden_size or getattr(cfg, "target_hidden_size", shape.hidden_size) != target.hidden_size:
+            raise DraftlabError(f"{where}: hidden size {shape.hidden_size} does not match the target's {target.hidden_size}")
+        if cfg.vocab_size != target.vocab_size:
+            raise DraftlabError(f"{where}: vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
+        L = target.num_layers
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = [i + 1 for i in ids] if ids is not None else target.eagle3_layers()  # see module docstring
+        bad = [i for i in aux if not 1 <= i <= L - 1]
+        if bad:
+            raise DraftlabError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} capture outside 1..{L - 1} for this target")
+        vd = config.get("draft_vocab_size")
+        if vd is None:  # SGLang then serves with the target's own lm_head over the full vocabulary
+            vd = target.vocab_size
+            if "lm_head.weight" not in tensors:
+                tensors["lm_head.weight"] = target.lm_head.weight.detach().cpu().float()
+        vocab_maps(tensors, target.vocab_size, int(vd), where)
+        return {
+            "shape": shape.model_dump(),
+            "vocab_size": target.vocab_size,
+            "draft_vocab_size": int(vd),
+            "aux_layers": aux,
+            "num_layers": 1,
+            "num_target_layers": L,
+        }
+
+
+register(SGLangEagle3())

@@ -1,0 +1,149 @@
+"""EAGLE-3 <-> the speculators format (vllm-project/speculators), which vLLM loads.
+
+Checked against speculators 0.9.0 (``Eagle3SpeculatorConfig``, ``Eagle3DraftModel``) and vLLM's
+``transformers_utils/configs/speculators`` + ``model_executor/models/llama_eagle3.py``:
+
+* Tensor names are draftlab's own (``layers.{i}.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``,
+  ``t2d``): the rename table is empty. ``embed_tokens.weight`` is not written — vLLM then shares
+  the target's embedding, speculators loads it from the verifier (so does draftlab).
+* The decoder layers are written as a Llama ``transformer_layer_config``: vLLM builds
+  ``Eagle3LlamaForCausalLM`` for every non-VL target, so Mistral-family drafters (same layer)
+  map one to one and Qwen2-family drafters map with ``attention_bias: true`` plus an exact-zero
+  ``o_proj.bias`` (HF/vLLM Llama put a bias on o_proj too when attention_bias is set).
+  Qwen3-family drafters (q/k RMSNorm) are refused: vLLM's Llama layer has no q/k norm.
+* ``norm_before_residual`` is written explicitly as ``false`` (draftlab's residual is the
+  un-normed fused feature): vLLM defaults a missing key to ``true``, speculators to ``false``.
+* Aux layers: speculators' ``eagle_aux_hidden_state_layer_ids`` and vLLM's
+  ``aux_hidden_state_layers`` index the *input* of decoder layer i (vLLM appends
+  ``hidden_states + residual`` before running layer i) — HF ``hidden_states[i]``, which is
+  draftlab's convention, so the ids are copied unshifted; ``[2, L//2, L-3]`` is the default
+  on all three sides. (SGLang is off by one: see ``sglang.py``.) The exported ids are the
+  capture contract; the test-suite checks the drafter math against speculators' own model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftlab.errors import DraftlabError
+from draftlab.export.formats import (
+    ExportOptions,
+    Format,
+    layer_config,
+    register,
+    serving_aux_ids,
+    shape_from_config,
+    take_zero_bias,
+    vocab_maps,
+)
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
+# Architecture flags of speculators' Eagle3 model draftlab's EAGLE-3 does not implement: each
+# must be false (norm_before_residual: draftlab's residual is the un-normed fused feature).
+UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class SpeculatorsEagle3(Format):
+    name = "speculators"
+    algorithm = "eagle3"
+    engines = ("vllm",)
+    title = "speculators format (vLLM `Eagle3LlamaForCausalLM` via `Eagle3Speculator`)"
+
+    def check_exportable(self, drafter, target) -> None:
+        if drafter.shape.qk_norm:
+            raise DraftlabError(
+                f"--to vllm: vLLM's EAGLE-3 drafter (Eagle3LlamaForCausalLM) has no q/k RMSNorm; "
+                f"this drafter (target family {drafter.shape.model_type}) has them"
+            )
+        serving_aux_ids(drafter.aux_layers, drafter.num_target_layers, "vLLM")
+
+    def extra_tensors(self, drafter, target):
+        if not drafter.shape.attention_bias:
+            return {}
+        H = drafter.shape.hidden_size
+        return {f"layers.{i}.self_attn.o_proj.bias": torch.zeros(H) for i in range(len(drafter.layers))}
+
+    def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
+        s = drafter.shape
+        verifier = opts.verifier or target.identity.get("name")
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": opts.speculative_tokens,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "verifier": {"name_or_path": verifier, "architectures": list(target.config.architectures or [])},
+            },
+            "transformer_layer_config": layer_config(s, len(drafter.layers), drafter.vocab_size, "llama"),
+            "draft_vocab_size": drafter.lm_head.out_features,
+            "target_hidden_size": s.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layers),
+            "norm_before_residual": False,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "embed_requires_grad": False,
+            "tie_word_embeddings": False,
+        }
+
+    def serving(self, out, target_name, opts):
+        return (
+            f"```bash\nvllm serve {target_name} --speculative-config "
+            f"'{{\"model\": \"{out}\", \"method\": \"eagle3\", \"num_speculative_tokens\": {opts.speculative_tokens}}}'\n```\n"
+            f"or `vllm serve {out}` (vLLM reads the verifier from `speculators_config`)."
+        )
+
+    def notes(self, drafter, config):
+        return [
+            f"`eagle_aux_hidden_state_layer_ids = {config['eagle_aux_hidden_state_layer_ids']}`: HF `hidden_states` indices "
+            "(the input of decoder layer i), the convention of speculators, vLLM and draftlab's `aux_layers` - no shift.",
+            "`norm_before_residual: false` is written explicitly (vLLM defaults a missing key to true).",
+            "No `embed_tokens.weight`: vLLM shares the target's embedding, as draftlab does.",
+        ] + (["Qwen2-style q/k/v biases are kept; `o_proj.bias` is written as zeros (Llama layers with `attention_bias` have one)."] if drafter.shape.attention_bias else [])
+
+    # ---- import -----------------------------------------------------------------
+    def import_meta(self, config, tensors, target):
+        where = "speculators config.json"
+        if config.get("speculators_model_type") != "eagle3":
+            raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
+        on = [f for f in UNSUPPORTED_FLAGS if config.get(f, False)]  # speculators' defaults are false
+        if on:
+            raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's EAGLE-3")
+        tl = config.get("transformer_layer_config")
+        if not isinstance(tl, dict):
+            raise DraftlabError(f"{where}: transformer_layer_config must be a dict")
+        shape, cfg = shape_from_config(tl, f"{where} transformer_layer_config", target)
+        if shape.hidden_size != target.hidden_size or config.get("target_hidden_size") not in (None, target.hidden_size):
+            raise DraftlabError(f"{where}: hidden size {shape.hidden_size} does not match the target's {target.hidden_size}")
+        if cfg.vocab_size != target.vocab_size:
+            raise DraftlabError(f"{where}: transformer_layer_config.vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
+        L = target.num_layers
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or target.eagle3_layers()  # speculators' default
+        bad = [i for i in aux if not 1 <= i <= L - 1]
+        if bad:
+            raise DraftlabError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} must lie in 1..{L - 1} for this target")
+        num_layers = cfg.num_hidden_layers
+        vd = int(config.get("draft_vocab_size") or target.vocab_size)
+        if cfg.model_type == "llama" and shape.attention_bias:
+            take_zero_bias(tensors, [f"layers.{i}.self_attn.o_proj.bias" for i in range(num_layers)], where)
+        vocab_maps(tensors, target.vocab_size, vd, where)
+        return {
+            "shape": shape.model_dump(),
+            "vocab_size": target.vocab_size,
+            "draft_vocab_size": vd,
+            "aux_layers": list(aux),
+            "num_layers": num_layers,
+            "num_target_layers": L,
+        }
+
+
+register(SpeculatorsEagle3())
