@@ -102,13 +102,14 @@ class EagleProposer(Proposer):
             feats = h[:, best // k]
         self.cache.crop(committed)
 
-        keep = sorted(range(len(tok)), key=lambda i: -scores[i])[: spec.total_tokens]
-        kept = set(keep)
-        for i in list(keep):  # closure under ancestors (guards against score ties)
-            a = parent[i]
-            while a >= 0 and a not in kept:
-                kept.add(a)
-                a = parent[a]
+        # Best-first by cumulative log-prob (ties: shallower first, so a parent always comes
+        # before its children); a node joins only after its parent, keeping the tree closed.
+        kept: set[int] = set()
+        for i in sorted(range(len(tok)), key=lambda i: (-scores[i], depth[i])):
+            if len(kept) == spec.total_tokens:
+                break
+            if parent[i] < 0 or parent[i] in kept:
+                kept.add(i)
         order = sorted(kept, key=lambda i: (depth[i], -scores[i]))
         node_of = {i: n + 1 for n, i in enumerate(order)}  # node 0 is the root
         tokens = self.d.to_target_ids(torch.tensor([tok[i] for i in order], device=dev))

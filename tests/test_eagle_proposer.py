@@ -1,0 +1,62 @@
+"""The EAGLE proposer inside the real decoder: greedy output equals plain greedy decoding
+(chain and EAGLE-2 tree), and its committed drafter state never drifts from a fresh prefill."""
+
+import pytest
+import torch
+
+from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
+from draftlab.inference.proposer import TreeSpec
+from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
+
+
+def _drafter(algo, target):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    samples = [{"input_ids": torch.randint(0, target.vocab_size, (32,), generator=g), "loss_mask": torch.ones(32, dtype=torch.bool)} for _ in range(4)]
+    if algo == "eagle3":
+        return Eagle3Drafter.build(Eagle3Config(draft_vocab_size=96), target, samples)
+    return Eagle1Drafter.build(Eagle1Config(), target, samples)
+
+
+@pytest.mark.parametrize("algo", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_eagle_greedy_equals_plain(tiny_llama, algo, method):
+    d = _drafter(algo, tiny_llama)
+    prompt = torch.randint(0, tiny_llama.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    plain = generate_plain(tiny_llama, prompt, 40)
+    dec = SpeculativeDecoder(tiny_llama, d.proposer())
+    spec = dec.generate(prompt, 40, method=method, k=4, tree=TreeSpec(depth=4, top_k=3, total_tokens=10))
+    assert spec.tokens == plain.tokens
+    assert sum(spec.num_drafted) > 0
+
+
+def test_tree_respects_budget_and_is_closed(tiny_llama):
+    d = _drafter("eagle3", tiny_llama)
+    p = d.proposer()
+    prompt = torch.randint(0, tiny_llama.vocab_size, (7,), generator=torch.Generator().manual_seed(5))
+    out = tiny_llama(prompt[None], layers=p.layers, logits="last")
+    p.start(prompt[None], out.hidden, int(out.logits[0, -1].argmax()))
+    for total in (1, 5, 11):
+        tree = p.propose_tree(TreeSpec(depth=4, top_k=3, total_tokens=total))
+        n = tree.tokens.numel()
+        assert n == total
+        # parents precede children, depth = parent's depth + 1
+        for i in range(n):
+            par = int(tree.parents[i])
+            assert par <= i
+            assert int(tree.depth[i]) == (1 if par == 0 else int(tree.depth[par - 1]) + 1)
+
+
+def test_advance_keeps_drafter_state_equal_to_fresh_start(tiny_llama):
+    d = _drafter("eagle3", tiny_llama)
+    p = d.proposer()
+    ids = torch.randint(0, tiny_llama.vocab_size, (20,), generator=torch.Generator().manual_seed(7))
+    out = tiny_llama(ids[None], layers=p.layers, logits="all")
+    # incremental: start on 12 tokens, advance by 3 and then 5 (hidden rows of the inputs kept)
+    p.start(ids[None, :12], {i: h[:, :12] for i, h in out.hidden.items()}, int(ids[12]))
+    p.advance(ids[13:16], {i: h[:, 12:15] for i, h in out.hidden.items()})
+    p.advance(ids[16:20], {i: h[:, 15:19] for i, h in out.hidden.items()})
+    inc = p.last_logits.clone()
+    q = d.proposer()
+    q.start(ids[None, :19], {i: h[:, :19] for i, h in out.hidden.items()}, int(ids[19]))
+    torch.testing.assert_close(inc, q.last_logits, atol=1e-5, rtol=1e-5)
