@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -156,3 +157,30 @@ def test_train_then_evaluate_end_to_end(tmp_path, tiny_target_dirs, chat_file):
     meta = json.loads((run / "checkpoints" / "step-0000004" / "draftlab.json").read_text())
     assert meta["metrics"]["eval"]["tau"] == report["tau"]
     assert (run / "checkpoints" / "best" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- offline capture feeds training
+def test_offline_capture_trains_like_online(tmp_path, tiny_target_dirs, chat_file):
+    """fp32 shards written by `draftlab capture` give the same weights as online capture."""
+    target = tiny_target_dirs["llama"]
+    cap = tmp_path / "cap"
+    res = subprocess.run(
+        [sys.executable, "-m", "draftlab.cli", "capture", "--target", str(target), "--data", str(chat_file),
+         "--max-length", "96", "--heldout", "4", "--seed", "0", "--layers", "eagle3", "--dtype", "float32", "--out", str(cap)],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    online_dir, offline_dir = tmp_path / "online", tmp_path / "offline"
+    online_dir.mkdir()
+    offline_dir.mkdir()
+    runs = [
+        write_recipe(online_dir, target, chat_file, train={"max_steps": 3}),
+        write_recipe(offline_dir, target, chat_file, train={"max_steps": 3}, capture={"mode": "offline", "offline_dir": str(cap)}),
+    ]
+    for r in runs:
+        res = run_train([r])
+        assert res.returncode == 0, res.stderr[-2000:]
+    a = load_file(online_dir / "run" / "checkpoints" / "step-0000003" / "model.safetensors")
+    b = load_file(offline_dir / "run" / "checkpoints" / "step-0000003" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -51,8 +51,13 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
         from draftlab.data.capture import OfflineDataset
 
         offline = OfflineDataset(recipe.capture.offline_dir)
+        where = f"capture.offline_dir {recipe.capture.offline_dir}"
+        if offline.manifest.get("data") != {**recipe.data.model_dump(mode="json"), "split": "train"}:
+            raise DraftlabError(f"{where}: captured from a different data section than this recipe's")
+        if missing := sorted(set(drafter.capture_layers) - set(offline.layers)):
+            raise DraftlabError(f"{where}: lacks hidden-state layers {missing} that this drafter reads")
         if len(offline) != len(samples.train):
-            raise DraftlabError(f"capture.offline_dir: {len(offline)} captured samples but the data section gives {len(samples.train)}")
+            raise DraftlabError(f"{where}: {len(offline)} captured samples but the data section gives {len(samples.train)}")
     evaluator = CheckpointEvaluator(recipe, target, samples) if recipe.eval.enabled else None
     # Different ranks draw different noise, reproducibly.
     seed_everything(recipe.seed * 1000 + accelerator.process_index + 1)
