@@ -318,10 +318,14 @@ def capture_samples(
         out = _forward(target, ids.to(device), None, layers, full_logits=False)
         if topk:
             values, indices = _topk_logprobs(target, out.hidden[L], topk)
+            values, indices = values.cpu(), indices.cpu()
+        # on CPU the per-sample copy_ below also casts (one pass); from an accelerator, cast
+        # there and move each layer once
+        states = {layer: h if h.device.type == "cpu" else h.to(dtype).cpu() for layer, h in out.hidden.items()}
         for r, i in enumerate(batch):
             a, b = offsets[i], offsets[i + 1]
             for layer in layers:
-                hidden[layer][a:b].copy_(out.hidden[layer][r, : b - a])  # casts to the storage dtype
+                hidden[layer][a:b].copy_(states[layer][r, : b - a])
             if topk:
                 topk_values[a:b].copy_(values[r, : b - a])
                 topk_indices[a:b].copy_(indices[r, : b - a])

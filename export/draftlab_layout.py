@@ -32,7 +32,7 @@ class DraftlabLayout(Format):
 
         if opts.dtype:
             raise DraftlabError("--dtype: --to hf keeps the stored dtype (draftlab casts to the target's dtype on load)")
-        save_weights(tmp, drafter.trainable_state_dict(), {k: v for k, v in meta.items() if k != "format"})
+        save_weights(tmp, drafter.export_state_dict(), {k: v for k, v in meta.items() if k != "format"})
         write_json(tmp / "config.json", self.export_config(drafter, target, meta, opts))
 
     def serving(self, out, target_name, opts):

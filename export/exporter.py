@@ -43,6 +43,7 @@ def export_checkpoint(checkpoint, engine: str, out, target="default", opts: Expo
     opts = opts or ExportOptions(speculative_tokens=default_speculative_tokens(meta))
     target = load_target(target)
     drafter, meta = load_drafter(checkpoint, target)
+    meta = {**meta, "drafter": drafter.export_meta()}  # the weights are written in export form
     fmt.check_exportable(drafter, target)
     tmp = staging_dir(out)
     try:

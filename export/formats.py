@@ -7,7 +7,7 @@ tensors the layout wants that draftlab does not store (``extra_tensors``), a con
 drafter (Medusa -> vLLM ``MedusaModel``, DFlash) is one more module with one more entry.
 
 Strictness is the point: the set of tensor names a format produces and accepts is computed
-from the drafter itself (its ``trainable_state_dict``) plus the declared extras, and anything
+from the drafter itself (its ``export_state_dict``) plus the declared extras, and anything
 outside it is an error listing the names — serving loaders that skip unknown keys would
 otherwise load random weights without a word.
 """
@@ -99,7 +99,7 @@ class Format:
         raise NotImplementedError
 
     def export_state(self, drafter, target) -> dict[str, torch.Tensor]:
-        state = {self.to_format(k): v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
+        state = {self.to_format(k): v.detach().cpu() for k, v in drafter.export_state_dict().items()}
         extra = self.extra_tensors(drafter, target)
         clash = sorted(set(state) & set(extra))
         if clash:  # a mapping bug, not user input

@@ -48,7 +48,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     check_embedding(tensors, target, where)
     dmeta = fmt.import_meta(config, tensors, target)
     drafter = get_algorithm(fmt.algorithm).from_meta(dmeta, target)
-    expected = drafter.trainable_state_dict()
+    expected = drafter.export_state_dict()
     missing = sorted(fmt.to_format(k) for k in set(expected) - set(tensors))
     unknown = sorted(fmt.to_format(k) for k in set(tensors) - set(expected))
     if missing or unknown:
@@ -63,7 +63,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     meta["imported_from"] = {"format": format_name, "path": str(src)}
     tmp = staging_dir(out)
     try:
-        save_weights(tmp, drafter.trainable_state_dict(), meta)
+        save_weights(tmp, drafter.export_state_dict(), meta)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

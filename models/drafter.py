@@ -88,6 +88,11 @@ class Drafter(nn.Module):
         """The inference-side view of this drafter (an ``inference.proposer.Proposer``)."""
         raise NotImplementedError
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint stores (frozen target-owned weights are excluded)."""
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights in their plain published form: training-only reparametrisations folded
+        in (frozen target-owned weights are never part of a drafter)."""
         return {k: v.detach() for k, v in self.state_dict().items()}
+
+    def export_meta(self) -> dict:
+        """``meta()`` describing :meth:`export_state_dict`'s form."""
+        return self.meta()

@@ -90,6 +90,10 @@ class Eagle3Config(BaseModel):
     draft_vocab_size: int = Field(8192, ge=0, description="0 = the full target vocabulary")
     aux_layers: list[int] | None = Field(None, description="hidden-state indices to fuse; default [2, L//2, L-3]")
     init_lm_head_from_target: bool = Field(True, description="start lm_head from the target's rows of the draft vocab")
+    normalize_fc_input: bool = Field(
+        True,
+        description="scale each fused input channel by 1/RMS measured on training data (folded into fc.weight on export)",
+    )
 
 
 class Eagle3Loss(BaseModel):
@@ -110,10 +114,18 @@ class Eagle3Drafter(EagleBase):
     Config = Eagle3Config
     Loss = Eagle3Loss
 
-    def __init__(self, shape: LayerShape, vocab_size: int, draft_vocab_size: int, aux_layers: list[int], num_layers: int):
+    def __init__(
+        self, shape: LayerShape, vocab_size: int, draft_vocab_size: int, aux_layers: list[int], num_layers: int,
+        normalize_fc_input: bool = False,
+    ):
         super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, fuse_embedding=True))
         H = shape.hidden_size
         self.aux_layers = list(aux_layers)
+        # Target features carry "massive activations" (SmolLM2's layer-27 state has channels
+        # with |x| ~ 400 next to an RMS of ~20): a fixed per-channel 1/RMS in front of fc keeps
+        # them from dominating the fused feature and Adam's updates. Linear, so an export folds
+        # it into fc.weight and serving engines see a plain EAGLE-3 fc.
+        self.register_buffer("fc_input_scale", torch.ones(len(aux_layers) * H) if normalize_fc_input else None)
         self.num_target_layers = None  # set by build/from_meta; hidden[L] gives the target logits
         self.fc = nn.Linear(len(aux_layers) * H, H, bias=False)
         self.norm = RMSNorm(H, shape.rms_norm_eps)
@@ -132,8 +144,10 @@ class Eagle3Drafter(EagleBase):
             if not 0 <= i <= L:
                 raise DraftlabError(f"drafter.aux_layers: {i} is outside 0..{L} for this target")
         vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
-        m = cls(LayerShape.from_hf(target.config), V, vd, aux, cfg.num_layers)
+        m = cls(LayerShape.from_hf(target.config), V, vd, aux, cfg.num_layers, cfg.normalize_fc_input)
         m.num_target_layers = L
+        if cfg.normalize_fc_input:
+            m.fc_input_scale.copy_(feature_inverse_rms(target, aux, samples))
         if vd < V:
             if not samples:
                 raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
@@ -155,11 +169,25 @@ class Eagle3Drafter(EagleBase):
             "aux_layers": self.aux_layers,
             "num_layers": len(self.layers),
             "num_target_layers": self.num_target_layers,
+            "normalize_fc_input": self.fc_input_scale is not None,
         }
+
+    def export_state_dict(self):
+        state = super().export_state_dict()
+        if self.fc_input_scale is not None:
+            scale = state.pop("fc_input_scale")
+            state["fc.weight"] = state["fc.weight"] * scale[None, :]
+        return state
+
+    def export_meta(self) -> dict:
+        return {**self.meta(), "normalize_fc_input": False}
 
     @classmethod
     def from_meta(cls, meta: dict, target) -> "Eagle3Drafter":
-        m = cls(LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"])
+        m = cls(
+            LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"],
+            meta.get("normalize_fc_input", False),
+        )
         m.num_target_layers = meta["num_target_layers"]
         return m.attach(target)
 
@@ -169,7 +197,10 @@ class Eagle3Drafter(EagleBase):
         return sorted(set(self.aux_layers) | {self.num_target_layers})
 
     def features(self, hidden):
-        return self.fc(torch.cat([hidden[i] for i in self.aux_layers], dim=-1))
+        x = torch.cat([hidden[i] for i in self.aux_layers], dim=-1)
+        if self.fc_input_scale is not None:
+            x = x * self.fc_input_scale
+        return self.fc(x)
 
     def head(self, h):
         return self.lm_head(self.norm(h))
@@ -249,6 +280,21 @@ class Eagle3Drafter(EagleBase):
                 step_acc.append(masked_mean(hit.float(), counted).item())
             step_loss.append(li.item())
         return loss, {"loss_steps": step_loss, "acc": step_acc}
+
+
+@torch.no_grad()
+def feature_inverse_rms(target, layers: list[int], samples, max_samples: int = 16, max_tokens: int = 512) -> torch.Tensor:
+    """1 / per-channel RMS of the concatenated target features over a few training samples."""
+    sq, n = None, 0
+    for s in (samples or [])[:max_samples]:
+        ids = s["input_ids"][:max_tokens].to(target.device)[None]
+        hidden = target(ids, layers=layers, logits=None).hidden
+        x = torch.cat([hidden[i][0] for i in layers], dim=-1).float()
+        sq = x.pow(2).sum(0) if sq is None else sq + x.pow(2).sum(0)
+        n += x.shape[0]
+    if not n:
+        raise DraftlabError("drafter.normalize_fc_input needs training samples to measure feature scales")
+    return (sq / n).sqrt().clamp_min(1e-3).reciprocal()
 
 
 # ============================================================================ EAGLE-1

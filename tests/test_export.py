@@ -93,7 +93,7 @@ def _eagle3(target, num_layers=1, aux=None, vd=64):
 def _save(drafter, target, path, metrics=None, recipe=None):
     meta = ckpt.checkpoint_meta(drafter, target.identity, recipe, 42, metrics)
     tmp = ckpt.staging_dir(path)
-    ckpt.save_weights(tmp, drafter.trainable_state_dict(), meta)
+    ckpt.save_weights(tmp, drafter.state_dict(), meta)
     ckpt.publish(tmp, path)
     return path
 
@@ -272,11 +272,12 @@ def test_round_trip_export_import_is_identical(engine, fmt, family, tiny_llama, 
     back = import_checkpoint(out, fmt, tmp_path / "imported", target)
     d2, meta = ckpt.load_drafter(back, target)
     assert meta["imported_from"]["format"] == fmt
-    assert meta["drafter"] == d.meta()  # aux layers come back unshifted, same vocab, same shape
-    a, b = d.trainable_state_dict(), d2.trainable_state_dict()
+    assert meta["drafter"] == d.export_meta()  # aux layers come back unshifted, same vocab, same shape
+    a, b = d.export_state_dict(), d2.export_state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ids = _inputs(target)
-    assert torch.equal(_outputs(d, target, ids), _outputs(d2, target, ids))
+    # identical up to the fc input scale being folded into fc.weight (float rounding only)
+    torch.testing.assert_close(_outputs(d, target, ids), _outputs(d2, target, ids), rtol=0, atol=1e-5)
 
 
 def test_hf_export_is_a_draftlab_checkpoint(tiny_llama, tmp_path):
@@ -284,7 +285,7 @@ def test_hf_export_is_a_draftlab_checkpoint(tiny_llama, tmp_path):
     out = export_checkpoint(_save(d, tiny_llama, tmp_path / "ckpt"), "hf", tmp_path / "hf", tiny_llama)
     d2, meta = ckpt.load_drafter(out, tiny_llama)
     assert json.loads((out / "config.json").read_text())["draftlab_algorithm"] == "eagle3"
-    assert all(torch.equal(v, d2.trainable_state_dict()[k]) for k, v in d.trainable_state_dict().items())
+    assert all(torch.equal(v, d2.export_state_dict()[k]) for k, v in d.export_state_dict().items())
     assert not (out / "trainer").exists()
 
 
@@ -325,7 +326,7 @@ def test_import_reads_pytorch_model_bin_and_sglang_default_aux(tiny_llama, tmp_p
     torch.save(load_file(out / "model.safetensors"), out / "pytorch_model.bin")
     (out / "model.safetensors").unlink()
     d1b, _ = ckpt.load_drafter(import_checkpoint(out, "eagle", tmp_path / "i1", tiny_llama), tiny_llama)
-    assert all(torch.equal(v, d1b.trainable_state_dict()[k]) for k, v in d1.trainable_state_dict().items())
+    assert all(torch.equal(v, d1b.export_state_dict()[k]) for k, v in d1.export_state_dict().items())
 
     d3 = _eagle3(tiny_llama)
     out = export_checkpoint(_save(d3, tiny_llama, tmp_path / "c3"), "sglang", tmp_path / "e3", tiny_llama)
