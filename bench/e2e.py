@@ -46,6 +46,11 @@ their ratios are paired; medians and best of ``--reps`` rounds after warm-up):
     "verify fwd / plain step" is (b) measured in situ, and "verify overhead" = verify time per
     step minus that forward (verification, cache roll-back, Python).
 
+On a machine whose load exceeds its cores, run with ``--threads 1``: OpenMP workers wait at
+every barrier for descheduled peers, and multi-threaded forwards get several times slower
+(and noisier) than single-threaded ones. Runtime: roughly (3 + 2 x speculative rows) plain
+generations per prompt, plus the tree row's slower steps.
+
 The command, the tables and the machine load are appended to BENCHMARKS.md (not with --quick
 or --no-append). The machine is shared: compare ratios, not absolute rates.
 """
@@ -53,7 +58,6 @@ or --no-append). The machine is shared: compare ratios, not absolute rates.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -327,7 +331,7 @@ def kernel_times(vocab: int, k: int, tree: TreeSpec, reps: int) -> dict:
     noise_t = torch.empty(1, n, vocab).exponential_(generator=g)
     unif_t = torch.rand(1, n, dtype=torch.float64, generator=g)
     b = "torch"
-    times = interleaved_ms({
+    fns = {
         "chain_greedy": lambda: chain_verify_greedy(drafts, cu, argmax_c, backend=b),
         "chain_greedy_prep": lambda: logits_c.argmax(-1),
         "chain_sampling": lambda: chain_verify_sampling(drafts, cu, probs_c, None, unif_c, noise_c, backend=b),
@@ -336,8 +340,9 @@ def kernel_times(vocab: int, k: int, tree: TreeSpec, reps: int) -> dict:
         "tree_greedy_prep": lambda: logits_t.argmax(-1),
         "tree_sampling": lambda: tree_verify_sampling(ttok, tpar, probs_t, unif_t, noise_t, backend=b),
         "tree_sampling_prep": lambda: (process_logits(logits_t, 1.0), torch.empty(1, n, vocab).exponential_(generator=g)),
-    }, reps)
-    return {name: t["median"] for name, t in times.items()}
+    }
+    # back to back per call (inputs stay cache-hot, as the logits just written by the lm_head are)
+    return {name: interleaved_ms({name: fn}, reps)[name]["median"] for name, fn in fns.items()}
 
 
 # ------------------------------------------------------------------------------ tables
@@ -347,7 +352,8 @@ def _f(x, digits=2, suffix="") -> str:
 
 def main_table(rows: list[dict], skipped_note: str | None) -> str:
     lines = [
-        "| # | decoder | tok/s | plain tok/s (paired) | vs draftlab plain | vs HF generate | τ | tok/fwd | greedy match vs plain | new tokens |",
+        "| # | decoder | tok/s | plain tok/s (paired) | vs draftlab plain | vs HF generate | τ | tok/fwd "
+        "| greedy match vs plain | new tokens |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, 1):
@@ -387,7 +393,8 @@ def engine_table(fw: dict, wb: dict, bw: float, kv_ctx: int, k: int, tree_total:
         f"1.00x; + {kv_ctx / 1e6:.1f} MB of KV cache read at this context |",
         f"| (b) draftlab verify forward, K+1 = {k + 1} tokens | {m['verify_chain']:.2f} | {fw['verify_chain']['best']:.2f} | "
         f"**{m['verify_chain'] / m['step_1']:.2f}x** the 1-token step |",
-        f"| (b) draftlab tree verify forward, {tree_total + 1} tokens + mask | {m['verify_tree']:.2f} | {fw['verify_tree']['best']:.2f} | "
+        f"| (b) draftlab tree verify forward, {tree_total + 1} tokens + mask | {m['verify_tree']:.2f} | "
+        f"{fw['verify_tree']['best']:.2f} | "
         f"**{m['verify_tree'] / m['step_1']:.2f}x** the 1-token step |",
         f"| (c) HF forward, 1 token | {m['hf_1']:.2f} | {fw['hf_1']['best']:.2f} | draftlab / HF = {m['step_1'] / m['hf_1']:.2f}x |",
         f"| (c) HF forward, K+1 = {k + 1} tokens | {m['hf_chain']:.2f} | {fw['hf_chain']['best']:.2f} | "
@@ -465,13 +472,37 @@ def parse_args(argv):
 def spec_row(name: str, report: dict, forwards: dict, hf_over_plain: float) -> dict:
     """A draftlab speculative row from its ``evaluate`` report and in-run forward timings;
     ``hf_over_plain`` = HF generate tok/s / draftlab plain tok/s from the rows 1-3 loop."""
-    return {"forwards": forwards,
+    return {
         "name": name, "tps": report["tokens_per_s"], "plain_tps": report["baseline_tokens_per_s"],
         "vs_plain": report["speedup"], "vs_hf": report["speedup"] / hf_over_plain, "tau": report["tau"],
         "tok_per_fwd": report["new_tokens"] / (report["num_steps"] + report["num_prompts"]),
         "match": report["greedy_match"], "new_tokens": report["new_tokens"],
-        "categories": {c: v["tau"] for c, v in report["categories"].items()}, "report": report,
+        "categories": {c: v["tau"] for c, v in report["categories"].items()}, "report": report, "forwards": forwards,
     }
+
+
+def run_speculative(target, runs, prompts, k: int, tree: TreeSpec, max_new_tokens: int, eos) -> tuple[dict, dict]:
+    """Rows 4-6: ``evaluate`` per (name, proposer, method), through a :class:`TimedTarget`.
+    Returns (reports, in-run forward timings), both by name."""
+    from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
+    from draftlab.inference.evaluate import evaluate
+
+    timed = TimedTarget(target)
+    reports, forwards = {}, {}
+    for name, proposer, method in runs:
+        # evaluate's own warm-up, done here so that its forwards stay out of the in-run timings
+        n = min(max_new_tokens, 16)
+        generate_plain(timed, prompts[0].prompt_ids, n, eos_token_id=eos)
+        SpeculativeDecoder(timed, proposer).generate(prompts[0].prompt_ids, n, method=method, k=k, tree=tree, eos_token_id=eos)
+        timed.take()
+
+        def progress(i, total, res, name=name):
+            print(f"[{name} {i + 1}/{total}] tau={res.stats().tau:.2f} {res.tokens_per_s:.1f} tok/s", flush=True)
+
+        reports[name] = evaluate(timed, proposer, prompts, method=method, k=k, tree=tree, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, warmup=False, data="spec-bench", label=name, progress=progress)
+        forwards[name] = timed.take()
+    return reports, forwards
 
 
 def main(argv=None) -> int:
@@ -482,13 +513,17 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()  # generate's per-call notices would drown the progress lines
-    from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
-    from draftlab.inference.evaluate import evaluate
     from draftlab.inference.ngram import NgramProposer
     from draftlab.inference.prompts import load_prompts
     from draftlab.models.target import Target
 
     uptime_start = machine_load()
+    load1, cores, threads = os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads()
+    if threads > 1 and load1 + threads > cores + 0.5:
+        # OpenMP workers spin at barriers and wait for descheduled peers: on an oversubscribed
+        # machine a multi-threaded forward can be several times slower than a single-threaded one.
+        print(f"warning: load average {load1:.1f} on {cores} cores with {threads} torch threads: "
+              f"timings will suffer from oversubscription; consider --threads 1", flush=True)
     target = Target.load("default")
     if target.dtype != torch.float32 or target.device.type != "cpu":
         raise SystemExit(f"the benchmark is fp32 on CPU; the default target loaded as {target.dtype} on {target.device}")
@@ -511,23 +546,10 @@ def main(argv=None) -> int:
     pld = summarize_runs(base["hf_pld"], base["plain"])
     hf_over_plain = hf["tokens_per_s"] / plain["tokens_per_s"]
 
-    def progress(name):
-        return lambda i, n, res: print(f"[{name} {i + 1}/{n}] tau={res.stats().tau:.2f} {res.tokens_per_s:.1f} tok/s", flush=True)
-
-    timed = TimedTarget(target)
-    common = dict(k=args.k, tree=tree, max_new_tokens=M, eos_token_id=eos, data="spec-bench")
     runs = [("ngram", NgramProposer(args.ngram_max, args.ngram_min), "chain")]
     if proposer is not None:
         runs += [("eagle3 chain", proposer, "chain"), ("eagle3 tree", proposer, "tree")]
-    reports, forwards = {}, {}
-    for name, prop, method in runs:
-        # evaluate's own warm-up, done here so that its forwards stay out of the in-run timings
-        n = min(M, 16)
-        generate_plain(timed, prompts[0].prompt_ids, n, eos_token_id=eos)
-        SpeculativeDecoder(timed, prop).generate(prompts[0].prompt_ids, n, method=method, k=args.k, tree=tree, eos_token_id=eos)
-        timed.take()
-        reports[name] = evaluate(timed, prop, prompts, method=method, label=name, progress=progress(name), warmup=False, **common)
-        forwards[name] = timed.take()
+    reports, forwards = run_speculative(target, runs, prompts, args.k, tree, M, eos)
 
     def baseline_row(name, s, vs_plain, vs_hf, cats=None):
         return {"name": name, "tps": s["tokens_per_s"], "plain_tps": plain["tokens_per_s"], "vs_plain": vs_plain,
@@ -535,7 +557,7 @@ def main(argv=None) -> int:
                 "new_tokens": s["new_tokens"], **({"categories": cats} if cats else {})}
 
     rows = [
-        baseline_row("draftlab plain greedy", plain, 1.0, 1 / hf_over_plain),
+        {**baseline_row("draftlab plain greedy", plain, 1.0, 1 / hf_over_plain), "match": "(reference)"},
         baseline_row("HF generate greedy", hf, hf_over_plain, 1.0),
         baseline_row(f"HF prompt lookup (K={args.k}, ngram {args.ngram_max})", pld, pld["tokens_per_s"] / plain["tokens_per_s"],
                      pld["tokens_per_s"] / hf["tokens_per_s"], pld["categories_tokens_per_forward"]),
@@ -566,7 +588,8 @@ def main(argv=None) -> int:
     legend = ("τ = 1 + Σ a_j (verify steps, prefill excluded; HF prompt lookup has no τ, see tok/fwd); tok/fwd = new tokens / "
               "target forwards incl. prefill (HF rows: counted). \"vs draftlab plain\": rows 2-3 paired in the rows 1-3 loop, rows 4+ "
               "the evaluate() speedup (its own paired plain runs, column \"plain tok/s (paired)\"); \"vs HF generate\": rows 4+ = "
-              "evaluate speedup x (draftlab plain / HF generate) of the loop. Greedy match: prompts whose tokens equal draftlab plain's.")
+              "evaluate speedup x (draftlab plain / HF generate) of the loop. Greedy match: prompts whose tokens equal "
+              "draftlab plain's.")
     tables = {
         "main": main_table(rows, skipped),
         "categories": category_table(rows),
@@ -577,7 +600,8 @@ def main(argv=None) -> int:
     text = (
         f"{tables['main']}\n\n{legend}\n\n"
         f"Per-category τ (speculative rows; HF prompt lookup: tok/fwd incl. prefill):\n\n{tables['categories']}\n\n"
-        f"Engine, context {len(ctx)} tokens (first prompt + {M // 2} generated), {args.reps} calls each, interleaved:\n\n{tables['engine']}\n\n"
+        f"Engine, context {len(ctx)} tokens (first prompt + {M // 2} generated), {args.reps} calls each, interleaved:\n\n"
+        f"{tables['engine']}\n\n"
         f"Per speculative step (from the evaluate reports) and the verify kernels' share:\n\n{tables['steps']}\n\n"
         f"Machine: {note} (shared machine: compare ratios, not absolute rates)."
     )

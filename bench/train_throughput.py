@@ -38,9 +38,9 @@ steps, H hidden, A = 3 aux layers, h/h_kv heads of size D, I = MLP width, Vd = d
                                                              diagonal TTT keys
     trained = 3 * forward                                   forward + backward (dX and dW)
 
-(norms, RoPE, softmax, the loss, the optimizer and the no-grad target lm_head are not counted;
-draftlab's and speculators' dense attention compute more than the causal half, not counted.)
-share of peak = FLOPs/token x tokens/s / fp32 matmul peak of that round.
+(norms, RoPE, softmax, the loss, the optimizer and the no-grad target lm_head are not counted,
+nor the masked half of the dense T x T attention both systems compute at TTT steps >= 1.)
+share of peak = FLOPs/token x median tokens/s / median fp32 matmul peak of the rounds.
 The command, the configuration and the table are appended to BENCHMARKS.md (not with --quick).
 """
 
@@ -333,7 +333,10 @@ def share(tps: float, flops: float, peak: float) -> float:
 
 
 def make_table(rows, flops, cap_tps, cap_flops, cap_peak) -> str:
+    """Medians over rounds; % of peak = FLOPs/token x median tokens/s / median peak (so the column
+    orders like tokens/s); the ratio is the median of the per-round (paired) ratios."""
     med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+    peak = med(lambda r: r["peak"])
     lines = [
         "| system | tokens/s (median) | min - max | % of fp32 peak | draftlab / speculators |",
         "|---|---|---|---|---|",
@@ -342,22 +345,28 @@ def make_table(rows, flops, cap_tps, cap_flops, cap_peak) -> str:
         lo, hi = min(r[name] for r in rows), max(r[name] for r in rows)
         ratio = f"**{med(lambda r: r['draftlab'] / r['speculators']):.2f}x**" if name == "draftlab" else "1.00x"
         lines.append(f"| {name} EAGLE-3 training | {med(lambda r: r[name]):.0f} | {lo:.0f} - {hi:.0f} | "
-                     f"{med(lambda r: share(r[name], flops, r['peak'])):.1f}% | {ratio} |")
+                     f"{share(med(lambda r: r[name]), flops, peak):.1f}% | {ratio} |")
     lines.append(f"| target capture (forward, not in the rows above) | {cap_tps:.0f} | - | "
                  f"{share(cap_tps, cap_flops, cap_peak):.1f}% (decoder FLOPs, bench/capture.py) | - |")
-    lines.append(f"\nfp32 matmul peak, median of {len(rows)} rounds: {med(lambda r: r['peak']) / 1e9:.1f} GFLOP/s; "
-                 f"{flops / 1e6:.1f} M trained FLOPs/token.")
+    lines.append(f"\nfp32 matmul peak, median of {len(rows)} rounds: {peak / 1e9:.1f} GFLOP/s; "
+                 f"{flops / 1e6:.1f} M trained FLOPs/token; ratio = median of the per-round ratios.")
     return "\n".join(lines)
 
 
-def profile_step(run, k: int, row_limit: int = 15) -> str:
+def profile_step(run, k: int, rows: int = 15) -> str:
+    """One more step of ``run`` under torch.profiler: the top ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run.step(k)
-    return f"draftlab training step, top ops by self CPU time:\n" + prof.key_averages().table(
-        sort_by="self_cpu_time_total", row_limit=row_limit
-    )
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    lines = [f"{run.name} training step under torch.profiler: {total / 1e6:.2f} s self CPU, "
+             f"{sum(e.count for e in events)} profiled op calls (nested included); top {rows} by self CPU time:",
+             f"  {'op':<48} {'self ms':>9} {'share':>7} {'calls':>6}"]
+    for e in events[:rows]:
+        lines.append(f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e3:9.0f} {100 * e.self_cpu_time_total / total:6.1f}% {e.count:6d}")
+    return "\n".join(lines)
 
 
 def append_benchmarks(argv, args, flops, drafter, table, note) -> None:
@@ -371,7 +380,7 @@ def append_benchmarks(argv, args, flops, drafter, table, note) -> None:
                 break
     except OSError:
         pass
-    import speculators
+    from importlib.metadata import version
 
     text = (
         f"\n## EAGLE-3 drafter training throughput, draftlab vs speculators "
@@ -379,11 +388,11 @@ def append_benchmarks(argv, args, flops, drafter, table, note) -> None:
         f"Command: `{cmd.strip()}`\n\n"
         f"Target default (SmolLM2-135M), 1 drafter layer, aux layers {drafter.aux_layers}, {args.seq_len}-token packed "
         f"ShareGPT rows, batch {args.batch}, {TTT_STEPS} TTT steps, draft vocab {drafter.lm_head.out_features}, fp32, "
-        f"AdamW; target hidden states captured beforehand. speculators {getattr(speculators, '__version__', '?')} "
+        f"AdamW; target hidden states captured beforehand. speculators {version('speculators')} "
         f"Eagle3DraftModel with {args.speculators_attn} attention, eager KL loss, lm_head {args.speculators_lm_head}; "
         f"same starting weights and inputs. Median of {args.steps} timed steps per system after {args.warmup} warm-up, "
         f"alternating; % of peak = {flops / 1e6:.1f} M FLOPs/token (formula in bench/train_throughput.py) x tokens/s / "
-        f"fp32 matmul peak of the same round. {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}.\n\n"
+        f"median fp32 matmul peak (measured every round). {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}.\n\n"
         f"{table}\n\nMachine: {note} (shared machine: compare the ratio, not absolute rates).\n"
     )
     new = not path.exists()

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -276,6 +277,7 @@ def _identity_mismatch(old: dict, new: dict) -> str | None:
         ("data_fingerprint", "data (samples differ)"),
         ("shard_tokens", "shard_tokens"),
         ("batch_tokens", "batch_tokens"),
+        ("compiled", "compile"),
     ):
         if old.get(key) != new.get(key):
             return f"{label}: {old.get(key)!r} there, {new.get(key)!r} now"
@@ -287,6 +289,22 @@ def _shard_ok(out_dir: Path, entry: dict, planned: tuple[int, int]) -> bool:
     return tuple(entry["samples"]) == planned and path.is_file() and file_sha256(path) == entry["sha256"]
 
 
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(target) -> Callable:
+    """``target.forward`` through ``torch.compile`` (inductor, dynamic shapes, so one graph
+    serves every batch shape; sizes 1 get their own), cached per target. On CPU it fuses the
+    norms, RoPE and activations into a few kernels: fewer passes over memory and far fewer
+    thread-pool barriers, which matters most on a busy machine (bench/capture.py). Costs
+    tens of seconds of compilation once per process; numerics differ from eager at fp32
+    rounding level, so a capture is resumed with the same setting."""
+    fn = _COMPILED.get(target)
+    if fn is None:
+        fn = _COMPILED[target] = torch.compile(target.forward, dynamic=True)
+    return fn
+
+
 @torch.inference_mode()
 def capture_samples(
     target,
@@ -296,10 +314,12 @@ def capture_samples(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     topk: int = 0,
     on_tokens: Callable[[int], None] | None = None,
+    compile: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The tensors of one shard, in memory: ``samples`` concatenated in order (see the module
     docstring for names), computed in :func:`plan_batches` batches. ``layers`` are resolved
-    indices; ``topk`` = 0 stores no log-probs; ``on_tokens(n)`` after each batch."""
+    indices; ``topk`` = 0 stores no log-probs; ``on_tokens(n)`` after each batch;
+    ``compile`` runs the target through :func:`compiled_forward`."""
     lengths = [s["input_ids"].numel() for s in samples]
     offsets = [0]
     for n in lengths:
@@ -310,12 +330,13 @@ def capture_samples(
         topk_values = torch.empty(N, topk, dtype=torch.float32)
         topk_indices = torch.empty(N, topk, dtype=torch.int32)
     device = target.device
+    forward = compiled_forward(target) if compile else target
     for batch in plan_batches(lengths, batch_tokens):
         T = lengths[batch[0]]
-        ids = torch.zeros(len(batch), T, dtype=torch.long)  # right padding: no mask needed
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
         for r, i in enumerate(batch):
             ids[r, : lengths[i]] = samples[i]["input_ids"]
-        out = _forward(target, ids.to(device), None, layers, full_logits=False)
+        out = forward(ids.to(device), layers=layers, logits=None)  # right padding: plain causal forward
         if topk:
             values, indices = _topk_logprobs(target, out.hidden[L], topk)
             values, indices = values.cpu(), indices.cpu()
@@ -379,11 +400,13 @@ def capture_offline(
     data_spec=None,
     progress: bool = True,
     on_shard: Callable[[int, dict], None] | None = None,
+    compile: bool | None = None,
 ) -> CaptureResult:
     """Capture ``samples`` (in order) into ``out_dir``, resuming a previous run there.
 
-    ``shard_tokens``/``batch_tokens`` default to the values recorded by the run being resumed,
-    else to ~256 MiB shards and :data:`DEFAULT_BATCH_TOKENS`. ``data_spec`` (a DataSpec or
+    ``shard_tokens``/``batch_tokens``/``compile`` default to the values recorded by the run
+    being resumed, else to ~256 MiB shards, :data:`DEFAULT_BATCH_TOKENS` and eager mode
+    (``compile=True``: see :func:`compiled_forward`). ``data_spec`` (a DataSpec or
     dict) is recorded in the manifest. ``on_shard(index, entry)`` is called after each shard
     is committed. Raises :class:`DraftlabError` when ``out_dir`` holds a different capture."""
     out_dir = Path(out_dir)
@@ -409,10 +432,12 @@ def capture_offline(
             raise DraftlabError(f"{manifest_path}: not a draftlab capture manifest")
         shard_tokens = shard_tokens if shard_tokens is not None else old.get("shard_tokens")
         batch_tokens = batch_tokens if batch_tokens is not None else old.get("batch_tokens")
+        compile = compile if compile is not None else old.get("compiled")
     elif out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise DraftlabError(f"out: {out_dir} exists and is not an (empty or draftlab capture) directory")
     shard_tokens = shard_tokens or max(1, DEFAULT_SHARD_BYTES // bpt)
     batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS
+    compile = bool(compile)
 
     manifest = {
         "format": FORMAT,
@@ -429,6 +454,7 @@ def capture_offline(
         "num_tokens": sum(lengths),
         "shard_tokens": shard_tokens,
         "batch_tokens": batch_tokens,
+        "compiled": compile,
         "bytes_per_token": bpt,
         "complete": False,
         "shards": [],
@@ -457,7 +483,7 @@ def capture_offline(
     if progress:
         print(
             f"capture: {len(samples)} samples, {total} tokens x {bpt} B/token ~ {human_bytes(total * bpt)} "
-            f"in {len(plan)} shards (layers {layer_ids}, {storage_dtype})"
+            f"in {len(plan)} shards (layers {layer_ids}, {storage_dtype}{', torch.compile' if compile else ''})"
             + (f"; resuming: {len(done)} shards / {done_tokens} tokens already done" if done else "")
         )
     from tqdm.auto import tqdm
@@ -469,7 +495,7 @@ def capture_offline(
         for idx, (a, b) in enumerate(plan):
             if idx in done:
                 continue
-            tensors = capture_samples(target, samples[a:b], layer_ids, dtype, batch_tokens, k, bar.update)
+            tensors = capture_samples(target, samples[a:b], layer_ids, dtype, batch_tokens, k, bar.update, compile)
             name = _shard_name(idx)
             size, digest = _write_shard(out_dir, name, tensors)
             tokens = sum(lengths[a:b])
@@ -635,6 +661,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (an existing capture there is resumed)")
     p.add_argument("--batch-tokens", type=int, default=None, help=f"padded tokens per forward (default {DEFAULT_BATCH_TOKENS})")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: ~256 MiB shards)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the target (~1 min once; faster forwards, see bench/capture.py)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -666,6 +694,7 @@ def run(args: argparse.Namespace) -> int:
         target, samples, args.out, layers=layers, storage_dtype=args.dtype, shard_tokens=args.shard_tokens,
         logits=args.logits, topk=args.topk, batch_tokens=args.batch_tokens,
         data_spec={**spec.model_dump(mode="json"), "split": args.split}, progress=not args.no_progress,
+        compile=args.compile,
     )
     m = result.manifest
     total = result.total_bytes

@@ -86,7 +86,7 @@ def _sampling(device, temperature: float, top_k: int, top_p: float, seed: int) -
 def _next_token(sampling: Sampling, logits_row: torch.Tensor) -> int:
     """The target's next token from one row of logits: the rule plain decoding uses everywhere."""
     if sampling.greedy:
-        return int(logits_row.argmax())
+        return int(logits_row.max(-1).indices)
     return int(sampling.sample(sampling.probs(logits_row)))
 
 
@@ -266,7 +266,7 @@ class SpeculativeDecoder:
         else:
             cu = torch.tensor([0, nd], dtype=torch.long, device=device)
             if sampling.greedy:
-                toks, num = chain_verify_greedy(drafts, cu, logits.argmax(-1), backend=self.backend)
+                toks, num = chain_verify_greedy(drafts, cu, logits.max(-1).indices, backend=self.backend)
             else:
                 q = draft.probs
                 if q is not None:
@@ -310,7 +310,7 @@ class SpeculativeDecoder:
             emitted, n = [_next_token(sampling, logits[0, 0])], 0
         else:
             if sampling.greedy:
-                path, toks, num = tree_verify_greedy(vi.tokens[None], vi.parents[None], logits.argmax(-1), backend=self.backend)
+                path, toks, num = tree_verify_greedy(vi.tokens[None], vi.parents[None], logits.max(-1).indices, backend=self.backend)
             else:
                 gen = sampling.generator
                 uniforms = torch.rand(1, nd + 1, dtype=torch.float64, device=device, generator=gen)

@@ -49,7 +49,7 @@ class EagleProposer(Proposer):
         h, logits = self.last_h, self.last_logits
         out = []
         for j in range(k):
-            tok = self.d.to_target_ids(logits.argmax(-1, keepdim=True))
+            tok = self.d.to_target_ids(logits.max(-1, keepdim=True).indices)
             out.append(tok)
             if j + 1 < k:
                 pos = torch.full((1, 1), self.pos + j, device=tok.device)

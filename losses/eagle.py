@@ -60,9 +60,28 @@ def eagle1_loss(
     l_feat = masked_mean(F.smooth_l1_loss(pred_feat, target_feat, reduction="none").mean(-1), mask)
     l_ce = masked_mean(soft_cross_entropy(pred_logits, F.softmax(target_logits.float(), -1)), mask)
     with torch.no_grad():
-        acc = masked_mean((pred_logits.argmax(-1) == target_logits.argmax(-1)).float(), mask)
+        acc = masked_mean((pred_logits.max(-1).indices == target_logits.max(-1).indices).float(), mask)
     loss = feature_weight * l_feat + ce_weight * l_ce
     return loss, {"loss_feat": l_feat.item(), "loss_ce": l_ce.item(), "acc": [acc.item()]}
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """-sum_v p_v log softmax(z)_v per row, for rows of p that sum to 1.
+
+    One fused pass each way (loss = logsumexp(z) - p.z, grad = softmax(z) - p) instead of the
+    ~7 elementwise passes over [N, V] that log_softmax, multiply and sum cost with autograd."""
+
+    @staticmethod
+    def forward(ctx, z, p):
+        z = z.float()
+        lse = torch.logsumexp(z, -1)
+        ctx.save_for_backward(z, p, lse)
+        return lse - torch.linalg.vecdot(p, z)
+
+    @staticmethod
+    def backward(ctx, g):
+        z, p, lse = ctx.saved_tensors
+        return torch.exp(z - lse.unsqueeze(-1)).sub_(p).mul_(g.unsqueeze(-1)), None
 
 
 def eagle3_step_loss(
@@ -73,8 +92,8 @@ def eagle3_step_loss(
     topk: int = 10,
 ) -> torch.Tensor:
     """One TTT step: soft CE against the target's distribution restricted to the draft vocab,
-    plus HASS's optional top-K term, averaged over ``mask``."""
-    per_pos = soft_cross_entropy(logits, target_probs)
+    plus HASS's optional top-K term, averaged over ``mask`` (any matching leading shape)."""
+    per_pos = SoftCrossEntropy.apply(logits, target_probs)
     if topk_weight:
         per_pos = per_pos + topk_weight * topk_cross_entropy(logits, target_probs, topk)
     return masked_mean(per_pos, mask)

@@ -249,6 +249,29 @@ def test_sigkill_midway_resume_is_byte_identical(tiny_llama, tiny_target_dirs, t
     assert files_of(out) == files_of(tmp_path / "full")
 
 
+@pytest.mark.skipif(not os.environ.get("DRAFTLAB_SLOW_TESTS"), reason="torch.compile takes ~40 s here; set DRAFTLAB_SLOW_TESTS=1")
+def test_compiled_capture_resumes_byte_identical(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=14, seed=5)
+    kw = dict(layers="eagle3", storage_dtype="float32", shard_tokens=70, batch_tokens=64, progress=False)
+    full = capture_offline(target, samples, tmp_path / "full", **kw, compile=True)
+    assert full.manifest["compiled"] is True
+
+    def stop(idx, entry):
+        if idx == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        capture_offline(target, samples, tmp_path / "part", **kw, compile=True, on_shard=stop)
+    capture_offline(target, samples, tmp_path / "part", layers="eagle3", storage_dtype="float32", progress=False)
+    assert files_of(tmp_path / "part") == files_of(tmp_path / "full")
+    eager = capture_offline(target, samples, tmp_path / "eager", **kw)
+    for a, b in zip(OfflineDataset(tmp_path / "full"), OfflineDataset(tmp_path / "eager")):
+        for layer in a["hidden"]:
+            torch.testing.assert_close(a["hidden"][layer], b["hidden"][layer], rtol=1e-4, atol=1e-4)
+    assert eager.manifest["compiled"] is False
+
+
 def test_checksum_mismatch_detected_and_recaptured(tiny_llama, tmp_path):
     target = tiny_llama
     samples = make_samples(target.vocab_size, n=8, seed=2)
@@ -289,6 +312,9 @@ def test_resume_refuses_a_different_capture(tiny_llama, tmp_path):
     with pytest.raises(DraftlabError, match="shard_tokens"):
         capture_offline(target, samples, tmp_path / "c", "eagle3", storage_dtype="bfloat16", shard_tokens=40,
                         progress=False, data_spec={"source": "x", "max_length": 64})
+    with pytest.raises(DraftlabError, match="compile"):  # compiled forwards round differently
+        capture_offline(target, samples, tmp_path / "c", "eagle3", **kw, data_spec={"source": "x", "max_length": 64},
+                        compile=True)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(DraftlabError, match="out"):

@@ -5,7 +5,7 @@ import torch
 
 from draftlab.losses.eagle import eagle3_step_loss, predicted_mask, shift_left
 from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle1Loss, Eagle3Config, Eagle3Drafter, Eagle3Loss
-from draftlab.models.layers import ttt_attention
+from draftlab.models.layers import ttt_attention, ttt_attention_dense
 from draftlab.models.target import Target
 
 
@@ -44,6 +44,27 @@ def test_ttt_attention_matches_explicit_mask_with_gqa():
             allowed[t, j * T + t] = True
     ref = ((q @ K.transpose(-1, -2)) * 0.5).masked_fill(~allowed, float("-inf")).softmax(-1) @ V
     torch.testing.assert_close(ttt_attention(q, ks, vs, 0.5), ref)
+    torch.testing.assert_close(ttt_attention_dense(q, ks, vs, 0.5), ref)
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_fused_ttt_attention_matches_dense_with_gradients(steps):
+    """The flash + log-sum-exp merge (CPU fast path) equals the dense reference, gradients too."""
+    torch.manual_seed(1)
+    B, h, hk, T, D = 2, 6, 2, 9, 8
+    q = torch.randn(B, h, T, D, requires_grad=True)
+    ks = [torch.randn(B, hk, T, D, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(B, hk, T, D, requires_grad=True) for _ in range(steps)]
+    g = torch.randn(B, h, T, D)
+    grads = []
+    for fn in (ttt_attention, ttt_attention_dense):
+        out = fn(q, ks, vs, 0.3)
+        (out * g).sum().backward()
+        grads.append([out.detach()] + [x.grad.clone() for x in (q, *ks, *vs)])
+        for x in (q, *ks, *vs):
+            x.grad = None
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_mask_shift_hand_checked():
