@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import hashlib
 import json
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -95,7 +95,7 @@ def _right_padded(mask: torch.Tensor) -> bool:
     return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
-def _forward(target, input_ids, attention_mask, layers: list[int], full_logits: bool):
+def _forward(forward, input_ids, attention_mask, layers: list[int], full_logits: bool):
     kwargs: dict[str, Any] = {}
     if attention_mask is not None:
         mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
@@ -109,7 +109,7 @@ def _forward(target, input_ids, attention_mask, layers: list[int], full_logits: 
             # a pad query may see itself: a row with nothing to attend to would give NaN, and
             # NaN values leak into real tokens through 0-weighted attention later on
             kwargs = {"attn_mask": attn | eye, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
-    return target(input_ids, layers=layers, logits="all" if full_logits else None, **kwargs)
+    return forward(input_ids, layers=layers, logits="all" if full_logits else None, **kwargs)
 
 
 def _topk_logprobs(target, last_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +140,7 @@ def capture_batch(
     layers: str | Sequence[int] = "eagle3",
     logits: str = "none",
     topk: int = 20,
+    compile: bool = False,
 ) -> dict:
     """One target forward over a batch [B, T]; no disk.
 
@@ -147,12 +148,14 @@ def capture_batch(
     ``logits="full"`` or ``"topk_values"`` (log-probs over the full vocab) and
     ``"topk_indices"`` [B, T, k] for ``logits="topk"``. ``layers`` is a preset or indices
     (see :func:`resolve_layers`; L is always included). With ``attention_mask`` (1 = real
-    token, any padding side) real tokens get exactly the states of the unpadded sample; values
-    at padded positions are unspecified. Runs under ``no_grad``, not ``inference_mode``:
-    inference tensors could not be saved for the drafter's backward pass."""
+    token, any padding side) real tokens get the states of the unpadded sample (equal up to
+    the fp32 rounding of a different batch shape); values at padded positions are
+    unspecified. ``compile``: see :func:`compiled_forward`. Runs under ``no_grad``, not
+    ``inference_mode``: inference tensors could not be saved for the drafter's backward."""
     layer_ids = resolve_layers(layers, target.num_layers)
     _check_logits(logits, ONLINE_LOGITS, topk, target.vocab_size)
-    out = _forward(target, input_ids, attention_mask, layer_ids, full_logits=logits == "full")
+    forward = compiled_forward(target) if compile else target
+    out = _forward(forward, input_ids, attention_mask, layer_ids, full_logits=logits == "full")
     result: dict[str, Any] = {"hidden": out.hidden}
     if logits == "full":
         result["logits"] = out.logits
@@ -289,20 +292,23 @@ def _shard_ok(out_dir: Path, entry: dict, planned: tuple[int, int]) -> bool:
     return tuple(entry["samples"]) == planned and path.is_file() and file_sha256(path) == entry["sha256"]
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILED_FORWARD = None  # torch.compile(Target.forward), built on first use
 
 
 def compiled_forward(target) -> Callable:
     """``target.forward`` through ``torch.compile`` (inductor, dynamic shapes, so one graph
-    serves every batch shape; sizes 1 get their own), cached per target. On CPU it fuses the
-    norms, RoPE and activations into a few kernels: fewer passes over memory and far fewer
-    thread-pool barriers, which matters most on a busy machine (bench/capture.py). Costs
-    tens of seconds of compilation once per process; numerics differ from eager at fp32
-    rounding level, so a capture is resumed with the same setting."""
-    fn = _COMPILED.get(target)
-    if fn is None:
-        fn = _COMPILED[target] = torch.compile(target.forward, dynamic=True)
-    return fn
+    serves every batch shape; sizes 1 get their own). On CPU it fuses the norms, RoPE and
+    activations into a few kernels: fewer passes over memory and far fewer thread-pool
+    barriers, which matters most on a busy machine (bench/capture.py). Costs tens of seconds
+    of compilation once per process; numerics differ from eager at fp32 rounding level, so a
+    capture is resumed with the same setting."""
+    global _COMPILED_FORWARD
+    if _COMPILED_FORWARD is None:
+        from draftlab.models.target import Target
+
+        # the unbound method: holding no target keeps targets collectable
+        _COMPILED_FORWARD = torch.compile(Target.forward, dynamic=True)
+    return functools.partial(_COMPILED_FORWARD, target)
 
 
 @torch.inference_mode()
@@ -700,6 +706,7 @@ def run(args: argparse.Namespace) -> int:
     total = result.total_bytes
     if result.captured_tokens:
         print(f"capture: {result.captured_tokens} tokens in {result.seconds:.1f} s = {result.tokens_per_s:.0f} tokens/s"
+              + (" (including the torch.compile warm-up)" if m["compiled"] else "")
               + (f" (resumed; {result.skipped_shards} shards were already done)" if result.skipped_shards else ""))
     else:
         print(f"capture: nothing to do, all {len(m['shards'])} shards were already complete and verified")
