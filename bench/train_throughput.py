@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture import decoder_flops_per_token  # noqa: E402
+from capture import decoder_flops  # noqa: E402
 from peak import measure_fp32_peak  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     hidden, pre_norm, cap_s = capture_rows(target, ids, drafter.capture_layers, capture_batch_rows)
     cap_peak = measure_fp32_peak(args.peak_seconds)
     cap_tps = ids.numel() / cap_s
-    cap_flops = decoder_flops_per_token(target, [args.seq_len] * ids.shape[0])[0]
+    cap_flops = sum(decoder_flops(target, args.seq_len)) / args.seq_len
 
     runs = [
         DraftlabRun(drafter, ids, mask, hidden, args.batch, TTT_STEPS),
