@@ -407,6 +407,7 @@ def capture_offline(
     progress: bool = True,
     on_shard: Callable[[int, dict], None] | None = None,
     compile: bool | None = None,
+    verbose: bool | None = None,
 ) -> CaptureResult:
     """Capture ``samples`` (in order) into ``out_dir``, resuming a previous run there.
 
@@ -414,7 +415,9 @@ def capture_offline(
     being resumed, else to ~256 MiB shards, :data:`DEFAULT_BATCH_TOKENS` and eager mode
     (``compile=True``: see :func:`compiled_forward`). ``data_spec`` (a DataSpec or
     dict) is recorded in the manifest. ``on_shard(index, entry)`` is called after each shard
-    is committed. Raises :class:`DraftlabError` when ``out_dir`` holds a different capture."""
+    is committed. ``progress`` shows a tqdm bar; ``verbose`` (default: ``progress``) prints the
+    size estimate and recaptured shards. Raises :class:`DraftlabError` when ``out_dir`` holds a
+    different capture."""
     out_dir = Path(out_dir)
     if storage_dtype not in STORAGE_DTYPES:
         raise DraftlabError(f"dtype: expected one of {', '.join(STORAGE_DTYPES)}, got '{storage_dtype}'")
@@ -427,6 +430,7 @@ def capture_offline(
         if value is not None and value < 1:
             raise DraftlabError(f"{name}: must be a positive number of tokens, got {value}")
 
+    verbose = progress if verbose is None else verbose
     manifest_path = out_dir / MANIFEST
     old = None
     if manifest_path.is_file():
@@ -479,14 +483,14 @@ def capture_offline(
         idx = entry.get("index")
         if isinstance(idx, int) and idx < len(plan) and _shard_ok(out_dir, entry, plan[idx]):
             done[idx] = entry
-        elif progress:
+        elif verbose:
             print(f"capture: {entry.get('file')} is missing or fails its checksum; capturing it again")
     manifest["shards"] = [done[i] for i in sorted(done)]
     _write_json_atomic(manifest_path, manifest)
 
     total, skipped = manifest["num_tokens"], len(done)
     done_tokens = sum(e["tokens"] for e in done.values())
-    if progress:
+    if verbose:
         print(
             f"capture: {len(samples)} samples, {total} tokens x {bpt} B/token ~ {human_bytes(total * bpt)} "
             f"in {len(plan)} shards (layers {layer_ids}, {storage_dtype}{', torch.compile' if compile else ''})"
@@ -700,7 +704,7 @@ def run(args: argparse.Namespace) -> int:
         target, samples, args.out, layers=layers, storage_dtype=args.dtype, shard_tokens=args.shard_tokens,
         logits=args.logits, topk=args.topk, batch_tokens=args.batch_tokens,
         data_spec={**spec.model_dump(mode="json"), "split": args.split}, progress=not args.no_progress,
-        compile=args.compile,
+        compile=args.compile, verbose=True,
     )
     m = result.manifest
     total = result.total_bytes

@@ -353,7 +353,7 @@ def test_cli_capture_end_to_end(tiny_target_dirs, tmp_path, capsys):
             "--heldout", "2", "--layers", "1,2", "--dtype", "float32", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "8 samples" in text and "tokens/s" in text and "B/token" in text
+    assert "8 samples" in text and "tokens/s" in text and "B/token" in text and " B/token ~ " in text  # estimate
     ds = OfflineDataset(out)
     assert len(ds) == 8 and ds.layers == [1, 2, 4]
     assert ds.manifest["data"]["source"] == str(data) and ds.manifest["data"]["split"] == "train"
