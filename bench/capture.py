@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import measure_fp32_peak  # noqa: E402
+from peak import append_benchmarks, measure_fp32_peak  # noqa: E402
 
 from draftlab.data.capture import (  # noqa: E402
     STORAGE_DTYPES,
@@ -314,12 +314,7 @@ def append_benchmarks(argv, args, notes, layers, table, compiled) -> None:
         f"peak window (method and FLOP formula in bench/capture.py). Shared machine: {notes[-1]}; compare ratios, "
         f"not absolute rates.\n\n{table}\n"
     )
-    new = not path.exists()
-    with open(path, "a") as f:
-        if new:
-            f.write("# draftlab benchmarks\n\nMeasured results, appended by the scripts in bench/ (newest last).\n")
-        f.write(text)
-    print(f"appended to {path}")
+    append_benchmarks(text, path)
 
 
 if __name__ == "__main__":

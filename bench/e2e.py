@@ -72,6 +72,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
+from peak import append_benchmarks  # noqa: E402
 
 from draftlab.inference.proposer import TreeSpec  # noqa: E402
 
@@ -637,12 +638,7 @@ def append_benchmarks(argv, args, num_prompts: int, tree: TreeSpec, text: str) -
         f"total {tree.total_tokens}, drafter `{args.drafter or 'none'}`. {cpu_name()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, transformers {transformers.__version__}. Method: bench/e2e.py docstring.\n\n"
     )
-    new = not path.exists()
-    with open(path, "a") as f:
-        if new:
-            f.write("# draftlab benchmarks\n\nMeasured results, appended by the scripts in bench/ (newest last).\n")
-        f.write(header + text + "\n")
-    print(f"appended to {path}")
+    append_benchmarks(header + text + "\n", path)
 
 
 if __name__ == "__main__":

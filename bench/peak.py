@@ -57,3 +57,16 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def append_benchmarks(text: str, path=None) -> None:
+    """Append one result section to BENCHMARKS.md (created with its header if missing)."""
+    from pathlib import Path
+
+    path = Path(path) if path else Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    new = not path.exists()
+    with open(path, "a") as f:
+        if new:
+            f.write("# draftlab benchmarks\n\nMeasured results, appended by the scripts in bench/ (newest last).\n")
+        f.write(text)
+    print(f"appended to {path}")

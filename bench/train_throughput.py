@@ -60,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture import decoder_flops  # noqa: E402
-from peak import measure_fp32_peak  # noqa: E402
+from peak import append_benchmarks, measure_fp32_peak  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFT_VOCAB = 8192
@@ -395,12 +395,7 @@ def append_benchmarks(argv, args, flops, drafter, table, note) -> None:
         f"median fp32 matmul peak (measured every round). {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}.\n\n"
         f"{table}\n\nMachine: {note} (shared machine: compare the ratio, not absolute rates).\n"
     )
-    new = not path.exists()
-    with open(path, "a") as f:
-        if new:
-            f.write("# draftlab benchmarks\n\nMeasured results, appended by the scripts in bench/ (newest last).\n")
-        f.write(text)
-    print(f"appended to {path}")
+    append_benchmarks(text, path)
 
 
 if __name__ == "__main__":
