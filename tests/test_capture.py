@@ -87,6 +87,23 @@ def test_capture_equals_hf_forward(tiny_target_dirs, family):
     torch.testing.assert_close(topk["topk_values"], ref_lp.values, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
+    """1 row (MKL), 2..64 rows (oneDNN-packed fused weights, qwen2 has q/k/v biases) and
+    more rows (MKL) all give HF's logits; the packed path is really taken."""
+    from draftlab.models.target import PACKED_MAX_ROWS, Target
+
+    target = Target.load(str(tiny_target_dirs[family]))
+    ids = make_samples(target.vocab_size, n=1, lo=120, hi=121)[0]["input_ids"][None]
+    ref = target.model(ids).logits
+    cache, start = target.new_cache(1, 128), 0
+    for n in (30, 1, 4, PACKED_MAX_ROWS + 5, 13):
+        out = target(ids[:, start : start + n], cache=cache, logits="all")
+        torch.testing.assert_close(out.logits, ref[:, start : start + n], rtol=1e-5, atol=1e-5)
+        start += n
+    assert target._packed is not None
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padded_batch_equals_unpadded_samples(tiny_llama, side):
     target = tiny_llama
