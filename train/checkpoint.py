@@ -4,8 +4,12 @@ A checkpoint is a directory::
 
     model.safetensors     drafter weights (frozen target-owned tensors excluded)
     draftlab.json         format, algorithm, drafter meta, target identity, recipe, step, metrics
-    trainer/optimizer.pt  optimizer + scheduler state (torch.save; read with weights_only=True)
-    trainer/state.json    step, RNG states per rank, elapsed time
+    trainer/optimizer.pt  optimizer + scheduler state (torch.save; read with weights_only=True);
+                          under FSDP the full optimizer state keyed by parameter name
+    trainer/optimizer-rank{r}.pt  instead, under DeepSpeed ZeRO: rank r's optimizer partition
+                          (moments + fp32 master weights) + scheduler state
+    trainer/state.json    step, elapsed time, world size, optimizer layout (torch | fsdp | zero-N)
+    trainer/rng-rank{r}.json  RNG states of rank r
 
 written to a temporary sibling and renamed into place, so a kill never leaves half a checkpoint.
 """
@@ -100,8 +104,9 @@ def check_target(meta: dict, target, where: str) -> None:
         )
 
 
-def load_drafter(path: str | Path, target):
-    """Rebuild a drafter from a checkpoint for ``target`` (which must match the one it was trained on)."""
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
+    """Rebuild a drafter from a checkpoint for ``target`` (which must match the one it was trained on), in
+    ``dtype`` (default: the target's; resume asks for float32 so fp32 master weights survive a bf16 target)."""
     from draftlab.models.drafter import get_algorithm
 
     path = Path(path)
@@ -114,7 +119,7 @@ def load_drafter(path: str | Path, target):
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
         raise DraftlabError(f"{path / WEIGHTS}: weights do not match the drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return drafter.to(target.dtype).eval(), meta
+    return drafter.to(dtype or target.dtype).eval(), meta
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -126,3 +131,44 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO optimizer state
+def _zero_state_file(trainer_dir: Path, rank: int) -> Path:
+    return Path(trainer_dir) / f"optimizer-rank{rank}.pt"
+
+
+def _zero_safe_globals() -> list:
+    """The DeepSpeed classes a ZeRO optimizer state dict holds next to its tensors. Allowing exactly
+    these keeps ``torch.load`` in weights_only mode: nothing else can be unpickled."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def save_zero_optimizer(trainer_dir: Path, rank: int, zero_optimizer, scheduler) -> None:
+    """Every rank calls this with DeepSpeed's ZeRO optimizer (``engine.optimizer``)."""
+    torch.save({"optimizer": zero_optimizer.state_dict(), "scheduler": scheduler.state_dict()}, _zero_state_file(trainer_dir, rank))
+
+
+def load_zero_optimizer(trainer_dir: Path, rank: int, world: int, zero_optimizer, scheduler) -> None:
+    """Every rank calls this after the model weights are loaded; same world size and ZeRO stage as saved.
+    The fp32 master weights come from the saved partition (for ZeRO-3 they also refill the parameters)."""
+    path = _zero_state_file(trainer_dir, rank)
+    if not path.is_file():
+        raise DraftlabError(f"{path}: missing (this checkpoint was not saved by rank {rank} of a ZeRO run)")
+    with torch.serialization.safe_globals(_zero_safe_globals()):
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    # Rigid (non-elastic) ZeRO state: each rank reads only its own entry of the per-rank list.
+    per_rank = [None] * world
+    per_rank[rank] = saved["optimizer"]
+    # The same bracket DeepSpeed's engine.load_checkpoint puts around this call (ZeRO-3: partition all
+    # parameters first, then re-gather the persistent small ones from the restored partitions).
+    if hasattr(zero_optimizer, "checkpoint_event_prologue"):
+        zero_optimizer.checkpoint_event_prologue()
+    zero_optimizer.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+    if hasattr(zero_optimizer, "checkpoint_event_epilogue"):
+        zero_optimizer.checkpoint_event_epilogue()
+    scheduler.load_state_dict(saved["scheduler"])

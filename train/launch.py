@@ -13,20 +13,18 @@ from draftlab.errors import DraftlabError
 
 
 def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ...]) -> dict:
-    from accelerate import Accelerator
-
     from draftlab.data.dataset import build_samples
     from draftlab.models.target import Target
     from draftlab.recipe import load_recipe
     from draftlab.train.evaluation import CheckpointEvaluator
-    from draftlab.train.trainer import Trainer, seed_everything
+    from draftlab.train.trainer import Trainer, make_accelerator, seed_everything
 
     recipe = load_recipe(path, overrides)
     if recipe.algorithm not in algorithms:
         raise DraftlabError(f"{path}: algorithm '{recipe.algorithm}' is not trained by this entry point (use one of {algorithms})")
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator()
     main = accelerator.is_main_process
     seed_everything(recipe.seed)
     device = str(accelerator.device) if recipe.target.device == "auto" else recipe.target.device

@@ -1,6 +1,6 @@
 """The one training loop, shared by every algorithm (EAGLE now; Medusa and diffusion later).
 
-Accelerate handles devices and processes (single process, DDP, FSDP, DeepSpeed). The loop:
+Accelerate handles devices and processes (single process, DDP, FSDP, DeepSpeed ZeRO). The loop:
 batches of packed-by-length samples -> target capture (online, cached in RAM, or offline
 shards) -> ``drafter(batch, hidden, loss_cfg)`` -> backward with accumulation, clipping,
 AdamW, warmup + cosine -> metrics (JSONL always; TensorBoard / wandb when asked) ->
@@ -13,7 +13,6 @@ relaunched with the same command ends with the same weights as an uninterrupted 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -26,11 +25,58 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from draftlab.data.dataset import batches_by_tokens, collate
 from draftlab.errors import DraftlabError
 from draftlab.train import checkpoint as ckpt
+
+
+def make_accelerator():
+    """This process's Accelerator, honouring ``accelerate launch --config_file`` on a CPU-only machine too.
+
+    ``Accelerator(cpu=True)`` gives gloo DDP there (torchrun, MULTI_CPU configs) but silently drops
+    DeepSpeed (Accelerate enables it only when ``cpu`` is false), while ``cpu=False`` alone leaves every
+    process on its own (no backend, world size 1). DeepSpeed on CPU therefore gets a gloo process group.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
+
+    if torch.cuda.is_available():
+        accelerator = Accelerator()
+    elif parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    elif parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        _enable_fsdp2_on_cpu()
+    else:
+        accelerator = Accelerator(cpu=True)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # Accelerate registers its DeepSpeed config with transformers, and under ZeRO-3 transformers then
+        # builds every from_pretrained model inside deepspeed.zero.Init, partitioned across the ranks. The
+        # frozen target must stay whole on each rank (its load under main_process_first even deadlocks on
+        # zero.Init's broadcast); only the drafter goes to DeepSpeed, through accelerator.prepare.
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return accelerator
+
+
+def _enable_fsdp2_on_cpu() -> None:
+    """Accelerate 1.15 switches FSDP on only for accelerator devices (AcceleratorState's FSDP branch lists
+    MULTI_GPU, MULTI_XPU, ...): on CPU an FSDP config gives DDP (``use_cpu``) or a process group with no
+    wrapping at all. torch's FSDP2 (``fully_shard``) itself runs on a gloo CPU process group, so set the
+    state Accelerate would have set; accelerator.prepare then shards the drafter with fully_shard."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch exported
+    if plugin.fsdp_version != 2:
+        raise DraftlabError("FSDP on CPU needs fsdp_version: 2 in the Accelerate config (FSDP1 is not supported here)")
+    state = AcceleratorState()
+    state.fsdp_plugin = plugin
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def seed_everything(seed: int) -> None:
@@ -128,11 +174,50 @@ class Trainer:
         params = [p for p in drafter.parameters() if p.requires_grad]
         # fused AdamW: one kernel per step instead of a dozen elementwise passes per tensor
         opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fused=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, self.total_steps, t.min_lr_ratio))
-        self.model, self.opt, self.sched = accelerator.prepare(drafter, opt, sched)
+        # Stepped once per optimizer step by the loop below. Not handed to accelerate.prepare: its wrapper
+        # steps a scheduler once per *process* each step (it assumes per-process batches shrink with the
+        # world size), which ran the warmup + cosine schedule world-size times too fast under DDP.
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, self.total_steps, t.min_lr_ratio))
+        # accumulate() turns gradient sync (DDP), the micro-step boundary (DeepSpeed) and the loss scaling on
+        # and off per micro-batch.
+        accelerator.gradient_accumulation_steps = t.grad_accum
+        self.zero_stage = self._configure_deepspeed() if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+        if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+            raise DraftlabError("Accelerate config fsdp_cpu_ram_efficient_loading must be false: Accelerate's FSDP2 "
+                                "loader then takes the drafter's buffers (d2t, t2d) for sharded parameters and fails")
+        self.model, self.opt = accelerator.prepare(drafter, opt)
+        # How the optimizer state is checkpointed: "torch" (optimizer.pt, state_dict of the one replicated
+        # optimizer), "fsdp" (optimizer.pt, full state keyed by parameter name, gathered from the shards),
+        # "zero-N" (optimizer-rank{r}.pt, each rank's ZeRO partition: same stage and world size to resume).
+        if self.zero_stage is not None:
+            self.opt_layout = f"zero-{self.zero_stage}"
+        else:
+            self.opt_layout = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "torch"
         self.step = 0
         self.elapsed = 0.0  # training seconds over all resumed runs
         self.best_tau = None
+
+    def _configure_deepspeed(self) -> int:
+        """The recipe owns accumulation and clipping: a DeepSpeed JSON may leave them "auto" (filled in here)
+        or repeat them, never contradict them. Returns the ZeRO stage."""
+        t = self.r.train
+        plugin = self.acc.state.deepspeed_plugin
+        cfg = plugin.deepspeed_config
+        for key, want, field in (
+            ("gradient_accumulation_steps", t.grad_accum, "train.grad_accum"),
+            ("gradient_clipping", t.clip_grad_norm, "train.clip_grad_norm"),
+        ):
+            have = cfg.get(key, "auto")
+            if have == "auto":
+                cfg[key] = want
+            elif float(have) != float(want):
+                raise DraftlabError(f"DeepSpeed config {key}={have} contradicts the recipe's {field}={want}; set it to \"auto\"")
+        # Micro-batches are token-budgeted, so DeepSpeed's batch-size bookkeeping only needs a consistent value.
+        if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            cfg["train_micro_batch_size_per_gpu"] = 1
+        if cfg.get("zero_optimization", {}).get("elastic_checkpoint"):
+            raise DraftlabError("DeepSpeed config zero_optimization.elastic_checkpoint is not supported (checkpoints are per rank)")
+        return int(plugin.zero_stage)
 
     # ------------------------------------------------------------------ data
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -198,17 +283,27 @@ class Trainer:
                 "numpy": _np_rng_to_json(np.random.get_state()),
             },
         )
-        # Every rank joins the gather (FSDP / ZeRO-3 shard the weights); the main process writes.
+        # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights); the main process writes.
         state = self.acc.get_state_dict(self.model)
+        if self.opt_layout == "fsdp":
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            opt_state = get_optimizer_state_dict(self.model, self.opt.optimizer, options=_full_state())
+        elif self.opt_layout == "torch":
+            opt_state = self.opt.state_dict()
+        else:  # ZeRO partitions the optimizer state: each rank writes its own part
+            ckpt.save_zero_optimizer(tmp_name / "trainer", self.rank, self.model.optimizer, self.sched)
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             drafter = self.acc.unwrap_model(self.model)
             meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.r.model_dump(mode="json"), self.step, metrics)
             ckpt.save_weights(tmp_name, state, meta)
-            torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}, tmp_name / "trainer" / "optimizer.pt")
+            if self.zero_stage is None:
+                torch.save({"optimizer": opt_state, "scheduler": self.sched.state_dict()}, tmp_name / "trainer" / "optimizer.pt")
             ckpt.write_json(
                 tmp_name / "trainer" / "state.json",
-                {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "fingerprint": self.r.fingerprint(), "best_tau": self.best_tau},
+                {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_layout,
+                 "fingerprint": self.r.fingerprint(), "best_tau": self.best_tau},
             )
             ckpt.publish(tmp_name, final)
         self.acc.wait_for_everyone()
@@ -227,11 +322,34 @@ class Trainer:
             raise DraftlabError(
                 f"output_dir {self.run_dir} holds a run of a different recipe; use a new output_dir or the same recipe"
             )
-        drafter, _ = ckpt.load_drafter(last, self.target)
-        self.acc.unwrap_model(self.model).load_state_dict(drafter.state_dict())
-        opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
-        self.opt.load_state_dict(opt_state["optimizer"])
-        self.sched.load_state_dict(opt_state["scheduler"])
+        layout = state.get("optimizer_layout", "torch")  # checkpoints from before DeepSpeed/FSDP support: torch
+        if layout != self.opt_layout or (self.zero_stage is not None and state["world_size"] != self.world):
+            raise DraftlabError(
+                f"{last}: optimizer state was saved as '{layout}' by {state['world_size']} process(es) but this run uses "
+                f"'{self.opt_layout}' on {self.world}; relaunch the same way or use a new output_dir"
+            )
+        drafter, _ = ckpt.load_drafter(last, self.target, dtype=torch.float32)
+        weights = drafter.state_dict()
+        module = self.acc.unwrap_model(self.model)
+        if self.opt_layout == "torch":
+            module.load_state_dict(weights)
+            opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
+            self.opt.load_state_dict(opt_state["optimizer"])
+            self.sched.load_state_dict(opt_state["scheduler"])
+        elif self.opt_layout == "fsdp":  # every rank takes its shards of the full weights and optimizer state
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            set_model_state_dict(self.model, weights, options=_full_state())
+            opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
+            set_optimizer_state_dict(self.model, self.opt.optimizer, opt_state["optimizer"], options=_full_state())
+            self.sched.load_state_dict(opt_state["scheduler"])
+        else:
+            if self.zero_stage == 3:  # partitioned parameters come back from the fp32 master partitions below
+                params = {name for name, _ in module.named_parameters()}
+                module.load_state_dict({k: v for k, v in weights.items() if k not in params}, strict=False)
+            else:  # the replicated parameters the next forward uses; the master copies come from the ZeRO state
+                module.load_state_dict(weights)
+            ckpt.load_zero_optimizer(last / "trainer", self.rank, self.world, self.model.optimizer, self.sched)
         rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
         if state["world_size"] == self.world and rng_file.is_file():
             rng = json.loads(rng_file.read_text())
@@ -265,6 +383,10 @@ class Trainer:
         t = self.r.train
         self.resume()
         main = self.acc.is_main_process
+        if main:
+            backend = self.acc.distributed_type.value + (f" ZeRO-{self.zero_stage}" if self.zero_stage is not None else "")
+            owned = _owned_weight_fraction(self.model)
+            print(f"distributed: {backend}, world size {self.world}, rank 0 owns {owned:.0%} of the drafter weights", flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricLogger(self.run_dir, self.r, main)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.r.algorithm}", dynamic_ncols=True)
@@ -277,16 +399,15 @@ class Trainer:
             t0 = time.perf_counter()
             tokens = 0
             agg: dict = {}
-            for micro in range(t.grad_accum):
+            for _ in range(t.grad_accum):
                 epoch, indices = next(stream)
                 batch = collate([self.samples[i] for i in indices], self.pad_id)
                 batch = {k: v.to(self.target.device) for k, v in batch.items()}
                 hidden = self.capture(indices, batch)
-                sync = micro == t.grad_accum - 1
-                ctx = contextlib.nullcontext() if sync else self.acc.no_sync(self.model)
-                with ctx:
+                # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
+                with self.acc.accumulate(self.model):
                     loss, metrics = self.model(batch, hidden, self.loss_cfg)
-                    self.acc.backward(loss / t.grad_accum)
+                    self.acc.backward(loss)
                 tokens += int(batch["attention_mask"].sum())
                 _accumulate(agg, {"loss": loss.item(), **metrics}, t.grad_accum)
             grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
@@ -319,7 +440,7 @@ class Trainer:
             if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or stop_early:
                 self.checkpoint_and_eval(last_metrics, logger)
         bar.close()
-        if self.world > 1:
+        if self.world > 1 and self.opt_layout not in ("zero-3", "fsdp"):  # those keep only a shard of each weight per rank
             last_metrics["weights_in_sync"] = self.check_weights_in_sync()
             logger.log({"step": self.step, "weights_in_sync": last_metrics["weights_in_sync"]})
         logger.close()
@@ -329,7 +450,7 @@ class Trainer:
         return last_metrics
 
     def check_weights_in_sync(self) -> bool:
-        """DDP invariant: every rank ends with bit-identical weights (compared by digest)."""
+        """DDP / ZeRO-1,2 invariant: every rank ends with bit-identical weights (compared by digest)."""
         h = hashlib.sha256()
         for _, p in sorted(self.acc.unwrap_model(self.model).state_dict().items()):
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
@@ -357,6 +478,27 @@ class Trainer:
                     ckpt.write_json(path / ckpt.META, meta)
             self.acc.wait_for_everyone()
         self.prune()
+
+
+def _owned_weight_fraction(model) -> float:
+    """Share of the drafter's parameter elements in this rank's own partition: 1 when replicated, about
+    1/world under ZeRO-3 / FSDP (ZeRO-3 also caches parameters under its persistence threshold whole)."""
+    owned = total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition (padded to equal sizes)
+            owned, total = owned + p.ds_tensor.numel(), total + p.ds_numel
+        elif hasattr(p, "to_local"):  # FSDP2 DTensor shard
+            owned, total = owned + p.to_local().numel(), total + p.numel()
+        else:
+            owned, total = owned + p.numel(), total + p.numel()
+    return owned / total
+
+
+def _full_state():
+    """FSDP checkpoints hold full (unsharded) tensors, so they load into any number of processes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _accumulate(agg: dict, metrics: dict, n: int) -> None:
