@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_benchmarks, measure_fp32_peak  # noqa: E402
+from peak import append_benchmarks, cpu_name, measure_fp32_peak  # noqa: E402
 
 from draftlab.data.capture import (  # noqa: E402
     STORAGE_DTYPES,
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     print()
     print(table)
     if not args.no_append:
-        append_benchmarks(argv, args, notes, layers, table, compiled)
+        append_result(argv, args, notes, layers, table, compiled)
     return 0
 
 
@@ -295,15 +295,9 @@ def make_table(rows: list[dict], batch_sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
-def append_benchmarks(argv, args, notes, layers, table, compiled) -> None:
-    path = REPO / "BENCHMARKS.md"
+def append_result(argv, args, notes, layers, table, compiled) -> None:
     cmd = "python bench/capture.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    cpu = "unknown CPU"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     text = (
         f"\n## Hidden-state capture throughput ({datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')})\n\n"
         f"Command: `{cmd.strip()}`\n\n"
@@ -314,7 +308,7 @@ def append_benchmarks(argv, args, notes, layers, table, compiled) -> None:
         f"peak window (method and FLOP formula in bench/capture.py). Shared machine: {notes[-1]}; compare ratios, "
         f"not absolute rates.\n\n{table}\n"
     )
-    append_benchmarks(text, path)
+    append_benchmarks(text)
 
 
 if __name__ == "__main__":

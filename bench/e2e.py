@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -72,7 +71,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
-from peak import append_benchmarks  # noqa: E402
+from peak import append_benchmarks, cpu_name  # noqa: E402
 
 from draftlab.inference.proposer import TreeSpec  # noqa: E402
 
@@ -118,16 +117,6 @@ def machine_load() -> str:
     except (OSError, subprocess.SubprocessError):
         path = Path("/proc/loadavg")
         return "load average " + " ".join(path.read_text().split()[:3]) if path.exists() else "n/a"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------------------ rows 1-3
@@ -613,7 +602,7 @@ def main(argv=None) -> int:
                                      "reports": reports, "engine_ms": fw, "weight_bytes": wb,
                                      "copy_bandwidth": bw, "kernels_ms": kt, "machine": note})
     if not (args.quick or args.no_append):
-        append_benchmarks(argv, args, len(prompts), tree, text)
+        append_result(argv, args, len(prompts), tree, text)
     return 0
 
 
@@ -624,8 +613,7 @@ def write_json(path: Path, obj) -> None:
     print(f"wrote {path}")
 
 
-def append_benchmarks(argv, args, num_prompts: int, tree: TreeSpec, text: str) -> None:
-    path = REPO / "BENCHMARKS.md"
+def append_result(argv, args, num_prompts: int, tree: TreeSpec, text: str) -> None:
     cmd = "python bench/e2e.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     import transformers
 
@@ -638,7 +626,7 @@ def append_benchmarks(argv, args, num_prompts: int, tree: TreeSpec, text: str) -
         f"total {tree.total_tokens}, drafter `{args.drafter or 'none'}`. {cpu_name()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, transformers {transformers.__version__}. Method: bench/e2e.py docstring.\n\n"
     )
-    append_benchmarks(header + text + "\n", path)
+    append_benchmarks(header + text + "\n")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,20 @@ if __name__ == "__main__":
     main()
 
 
+def cpu_name() -> str:
+    """The CPU model for benchmark headers."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def append_benchmarks(text: str, path=None) -> None:
     """Append one result section to BENCHMARKS.md (created with its header if missing)."""
     from pathlib import Path

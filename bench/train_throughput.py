@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -60,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture import decoder_flops  # noqa: E402
-from peak import append_benchmarks, measure_fp32_peak  # noqa: E402
+from peak import append_benchmarks, cpu_name, measure_fp32_peak  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFT_VOCAB = 8192
@@ -324,7 +323,7 @@ def main(argv=None) -> int:
         print()
         print(profile_step(runs[0], args.warmup))
     if not (args.quick or args.no_append):
-        append_benchmarks(argv, args, flops, drafter, table, note)
+        append_result(argv, args, flops, drafter, table, note)
     return 0
 
 
@@ -369,17 +368,9 @@ def profile_step(run, k: int, rows: int = 15) -> str:
     return "\n".join(lines)
 
 
-def append_benchmarks(argv, args, flops, drafter, table, note) -> None:
-    path = REPO / "BENCHMARKS.md"
+def append_result(argv, args, flops, drafter, table, note) -> None:
     cmd = "python bench/train_throughput.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     from importlib.metadata import version
 
     text = (
@@ -395,7 +386,7 @@ def append_benchmarks(argv, args, flops, drafter, table, note) -> None:
         f"median fp32 matmul peak (measured every round). {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}.\n\n"
         f"{table}\n\nMachine: {note} (shared machine: compare the ratio, not absolute rates).\n"
     )
-    append_benchmarks(text, path)
+    append_benchmarks(text)
 
 
 if __name__ == "__main__":
