@@ -175,6 +175,16 @@ class Target:
         }
         self._backbone = model.model
         self._qk_norm = self.config.model_type == "qwen3"
+        # the linears of each decoder layer grouped by shared input; index -1 (last) is the lm_head
+        self._groups = [
+            {
+                "qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                "o": [layer.self_attn.o_proj],
+                "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
+                "down": [layer.mlp.down_proj],
+            }
+            for layer in self._backbone.layers
+        ] + [{"lm_head": [model.lm_head]}]
         self._packed: list[dict[str, PackedLinear]] | None = None
 
     # ------------------------------------------------------------------ loading
@@ -319,22 +329,13 @@ class Target:
         rows = x.numel() // x.shape[-1]
         if 2 <= rows <= PACKED_MAX_ROWS and self._use_packed():
             return self._packed[i][name](x)
-        return tuple(m(x) for m in self._linears(i)[name])
-
-    def _linears(self, i: int) -> dict[str, list[torch.nn.Linear]]:
-        if i < 0:
-            return {"lm_head": [self.model.lm_head]}
-        a, mlp = self._backbone.layers[i].self_attn, self._backbone.layers[i].mlp
-        return {"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj], "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+        return tuple(m(x) for m in self._groups[i][name])
 
     def _use_packed(self) -> bool:
         if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return False
-        if self._packed is None:  # built on first use: only decoding pays its memory (one weight copy)
-            # index -1 (the lm_head) lands last, so self._packed[-1] finds it
-            self._packed = [
-                {name: PackedLinear(ms) for name, ms in self._linears(i).items()} for i in [*range(self.num_layers), -1]
-            ]
+        if self._packed is None:  # built on first use (only decoding pays its memory); the target is frozen, so it never goes stale
+            self._packed = [{name: PackedLinear(ms) for name, ms in group.items()} for group in self._groups]
         return True
 
     def _layer(self, layer, x, cos, sin, cache, i, past, mask):
