@@ -324,8 +324,9 @@ class Target:
 
         Why not just the module: on CPU in fp32, MKL's GEMM for 2-64 rows streams the
         weights ~1.7x slower than its 1-row GEMV, which makes a K+1-token verify cost far
-        more than a 1-token step. oneDNN with pre-packed weights keeps 2-16 rows within
-        ~1.35x of one row (bench/e2e.py). 1-row steps and large batches keep MKL."""
+        more than a 1-token step. With oneDNN and pre-packed fused weights a 4-token verify
+        cost 1.42x a 1-token step in bench/e2e.py (HF's forward: 1.51x). 1-row steps and
+        large batches keep MKL."""
         rows = x.numel() // x.shape[-1]
         if 2 <= rows <= PACKED_MAX_ROWS and self._use_packed():
             return self._packed[i][name](x)
