@@ -22,6 +22,8 @@ from peak import append_benchmarks  # noqa: E402
 
 
 def run_rows(run: Path) -> list[dict]:
+    if not (run / "metrics.jsonl").is_file():
+        raise SystemExit(f"{run / 'metrics.jsonl'}: not found (pass a recipe's output_dir)")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = {m["step"]: m for m in metrics if "loss" in m}
     reports = sorted((run / "eval").glob("step-*.json"))

@@ -11,7 +11,6 @@ Relaunching the same command resumes from the last checkpoint in ``output_dir``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -41,12 +40,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        # Once in several two-process DeepSpeed runs on CPU, a rank aborted during interpreter teardown
-        # ("terminate called without an active exception", SIGABRT) after every checkpoint and log was
-        # written and the process group destroyed. Leave without the C++ static destructors.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    sys.exit(rc)
+    from draftlab.train.launch import exit_process
+
+    exit_process(main())

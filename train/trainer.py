@@ -43,13 +43,13 @@ def make_accelerator():
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
 
+    fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
     if torch.cuda.is_available():
         accelerator = Accelerator()
-    elif parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+    elif fsdp or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    elif parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-        _enable_fsdp2_on_cpu()
+        if fsdp:
+            _enable_fsdp2_on_cpu()
     else:
         accelerator = Accelerator(cpu=True)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
