@@ -13,7 +13,10 @@ tokenizer's eos, every row on the same prompts, in one process. Rows:
    ``--ngram-max``, so it drafts like row 4; note HF takes the *earliest* match, draftlab the
    most recent),
 4. draftlab n-gram prompt lookup, chain K,
-5. draftlab EAGLE-3 chain K and 6. EAGLE-3 tree (only with ``--drafter``).
+5. draftlab EAGLE-3 chain K and 6. EAGLE-3 tree (only with ``--drafter``),
+7. with ``--min-confidence C``: EAGLE-3 chain K that stops where the drafter's confidence
+   falls below C; with ``--lookup-min-match N``: prompt lookup first (n-gram of >= N tokens),
+   EAGLE-3 chain K otherwise, and, when both are given, the two combined.
 
 Rows 1-3 are timed here per prompt, back to back, the order rotating every prompt, after one
 warm-up each. Rows 4-6 come from ``evaluate(...)``, which times draftlab plain and the
@@ -442,6 +445,8 @@ def parse_args(argv):
     p.add_argument("--tree-total", type=int, default=TreeSpec.total_tokens, help="tree: draft nodes per step")
     p.add_argument("--ngram-max", type=int, default=3, help="n-gram rows: longest n-gram to match")
     p.add_argument("--ngram-min", type=int, default=1, help="draftlab n-gram row: shortest n-gram to match")
+    p.add_argument("--min-confidence", type=float, default=0.0, help="extra EAGLE-3 chain row with dynamic draft length (0 = no row)")
+    p.add_argument("--lookup-min-match", type=int, default=0, help="extra row: prompt lookup first, EAGLE-3 chain otherwise (0 = no row)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per engine measurement (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="also write every measured number to this JSON file")
@@ -456,7 +461,27 @@ def parse_args(argv):
         p.error(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
     if args.drafter is not None and not Path(args.drafter).is_dir():
         p.error(f"--drafter: no checkpoint directory at {args.drafter}")
+    if not 0.0 <= args.min_confidence < 1.0 or not 0 <= args.lookup_min_match <= args.ngram_max:
+        p.error("--min-confidence must be in [0, 1) and --lookup-min-match in 0..--ngram-max")
+    if (args.min_confidence or args.lookup_min_match) and args.drafter is None:
+        p.error("--min-confidence and --lookup-min-match add EAGLE-3 rows: they need --drafter")
     return args
+
+
+def dynamic_runs(drafter, args) -> list[tuple[str, object]]:
+    """Row 7's (name, proposer) pairs: dynamic draft length, lookup first, both."""
+    from draftlab.inference.hybrid import LookupFirstProposer
+
+    runs, c, n = [], args.min_confidence, args.lookup_min_match
+    if c:
+        runs.append((f"draftlab EAGLE-3 chain K={args.k}, min confidence {c}", drafter.proposer(c)))
+    if n:
+        runs.append((f"draftlab lookup (n-gram >= {n}) else EAGLE-3 chain K={args.k}",
+                     LookupFirstProposer(drafter.proposer(), n, args.ngram_max)))
+    if c and n:
+        runs.append((f"draftlab lookup (n-gram >= {n}) else EAGLE-3 chain K={args.k}, min confidence {c}",
+                     LookupFirstProposer(drafter.proposer(c), n, args.ngram_max)))
+    return runs
 
 
 def spec_row(name: str, report: dict, forwards: dict, hf_over_plain: float) -> dict:
@@ -520,11 +545,12 @@ def main(argv=None) -> int:
     eos = target.tokenizer.eos_token_id
     prompts = load_prompts("spec-bench", target.tokenizer, args.num_prompts)
     tree = TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
-    proposer = None
+    proposer = drafter = None
     if args.drafter:
-        from draftlab.registry import load_proposer
+        from draftlab.train.checkpoint import load_drafter
 
-        proposer = load_proposer(args.drafter, target)
+        drafter, _ = load_drafter(args.drafter, target)
+        proposer = drafter.proposer()
     M = args.max_new_tokens
     print(f"{len(prompts)} Spec-Bench prompts ({len({p.category for p in prompts})} categories), max_new_tokens {M}, "
           f"K {args.k}, tree {vars(tree)}, {torch.get_num_threads()} threads; {uptime_start}", flush=True)
@@ -539,6 +565,8 @@ def main(argv=None) -> int:
     runs = [("ngram", NgramProposer(args.ngram_max, args.ngram_min), "chain")]
     if proposer is not None:
         runs += [("eagle3 chain", proposer, "chain"), ("eagle3 tree", proposer, "tree")]
+        extra = dynamic_runs(drafter, args)
+        runs += [(name, p, "chain") for name, p in extra]
     reports, forwards = run_speculative(target, runs, prompts, args.k, tree, M, eos)
 
     def baseline_row(name, s, vs_plain, vs_hf, cats=None):
@@ -557,6 +585,7 @@ def main(argv=None) -> int:
         rows.append(spec_row(f"draftlab EAGLE-3 chain K={args.k}", reports["eagle3 chain"], forwards["eagle3 chain"], hf_over_plain))
         rows.append(spec_row(f"draftlab EAGLE-3 tree d{tree.depth}/k{tree.top_k}/n{tree.total_tokens}", reports["eagle3 tree"],
                              forwards["eagle3 tree"], hf_over_plain))
+        rows += [spec_row(name, reports[name], forwards[name], hf_over_plain) for name, _ in extra]
         skipped = None
     else:
         rows += [{"name": f"draftlab EAGLE-3 chain K={args.k}", "skipped": "no --drafter"},

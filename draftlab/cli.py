@@ -52,5 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The console script: ``main()``'s return code becomes the exit status (through
+    :func:`draftlab.train.launch.exit_process`, which DeepSpeed training runs need)."""
+    from draftlab.train.launch import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

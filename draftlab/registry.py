@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-def load_proposer(checkpoint_dir, target):
+def load_proposer(checkpoint_dir, target, min_confidence: float = 0.0):
     """A checkpoint directory -> the proposer the speculative decoder drives."""
     from draftlab.train.checkpoint import load_drafter
 
     drafter, _ = load_drafter(checkpoint_dir, target)
-    return drafter.proposer()
+    return drafter.proposer(min_confidence)

@@ -16,10 +16,17 @@ from draftlab.inference.proposer import ChainDraft, DraftTree, Proposer, TreeSpe
 class EagleProposer(Proposer):
     supports_tree = True
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, min_confidence: float = 0.0):
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.d = drafter.eval()
         self.name = drafter.algorithm
         self.layers = tuple(drafter.capture_layers)
+        # Dynamic draft length: a chain stops before the draft at which the product of the
+        # drafter's top-1 probabilities drops below this (0 = always k). A low-confidence step
+        # then costs a 1-token target forward instead of a (k+1)-token verify that would
+        # likely accept nothing, which pays where verifying is much dearer than one token.
+        self.min_confidence = min_confidence
 
     # ---- committed state ---------------------------------------------------------
     @torch.no_grad()
@@ -48,15 +55,25 @@ class EagleProposer(Proposer):
         committed = self.cache.length
         h, logits = self.last_h, self.last_logits
         out = []
+        confidence = 1.0
         for j in range(k):
-            tok = self.d.to_target_ids(logits.max(-1, keepdim=True).indices)
+            if self.min_confidence > 0:
+                top = logits.float().softmax(-1).max(-1, keepdim=True)
+                confidence *= float(top.values)
+                if confidence < self.min_confidence:
+                    break
+                top = top.indices
+            else:
+                top = logits.max(-1, keepdim=True).indices
+            tok = self.d.to_target_ids(top)
             out.append(tok)
             if j + 1 < k:
                 pos = torch.full((1, 1), self.pos + j, device=tok.device)
                 h, lg = self.d.draft_step(tok.view(1, 1), h, pos, self.cache)
                 logits = lg[0, -1]
         self.cache.crop(committed)
-        return ChainDraft(torch.cat(out), None)  # greedy drafts = point-mass proposals
+        tokens = torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=logits.device)
+        return ChainDraft(tokens, None)  # greedy drafts = point-mass proposals
 
     # ---- EAGLE-2 dynamic tree --------------------------------------------------------------
     @torch.no_grad()

@@ -175,6 +175,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"], help="verify kernels")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram to match")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram to match")
+    p.add_argument(
+        "--min-confidence", type=float, default=0.0,
+        help="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this (0 = always k)",
+    )
+    p.add_argument(
+        "--lookup-min-match", type=int, default=0,
+        help="chain: draft by prompt lookup when an n-gram of at least this many tokens (<= --ngram-max) recurs, "
+        "by the drafter otherwise (0 = off)",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,21 +203,34 @@ def load_models(args) -> tuple:
 
     if args.method == "chain" and args.k < 1:
         raise DraftlabError(f"--k must be >= 1, got {args.k}")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        raise DraftlabError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
+    if not 0.0 <= args.min_confidence < 1.0:
+        raise DraftlabError(f"--min-confidence must be in [0, 1), got {args.min_confidence}")
+    if not 0 <= args.lookup_min_match <= args.ngram_max:
+        raise DraftlabError(f"--lookup-min-match must be in 0..--ngram-max ({args.ngram_max}), got {args.lookup_min_match}")
+    if args.drafter == "ngram" and (args.lookup_min_match or args.min_confidence):
+        raise DraftlabError("--lookup-min-match and --min-confidence apply to a trained drafter, not to 'ngram'")
+    if args.lookup_min_match and args.method != "chain":
+        raise DraftlabError("--lookup-min-match drafts chains: use --method chain")
+    if args.drafter != "ngram" and not Path(args.drafter).is_dir():
+        raise DraftlabError(f"--drafter: no checkpoint directory at {args.drafter} (or pass 'ngram')")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = Target.load(args.target, dtype=args.dtype, device=device)
     if args.drafter == "ngram":
         from draftlab.inference.ngram import NgramProposer
 
-        if not 1 <= args.ngram_min <= args.ngram_max:
-            raise DraftlabError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
         return target, NgramProposer(args.ngram_max, args.ngram_min)
-    if not Path(args.drafter).is_dir():
-        raise DraftlabError(f"--drafter: no checkpoint directory at {args.drafter} (or pass 'ngram')")
     try:
         from draftlab.registry import load_proposer
     except ImportError as e:
         raise DraftlabError("loading drafter checkpoints needs draftlab.registry, not available in this version") from e
-    return target, load_proposer(args.drafter, target)
+    proposer = load_proposer(args.drafter, target, args.min_confidence)
+    if args.lookup_min_match:
+        from draftlab.inference.hybrid import LookupFirstProposer
+
+        proposer = LookupFirstProposer(proposer, args.lookup_min_match, args.ngram_max)
+    return target, proposer
 
 
 def tree_spec(args) -> TreeSpec:

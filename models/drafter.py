@@ -84,8 +84,9 @@ class Drafter(nn.Module):
     def new_cache(self):
         raise NotImplementedError
 
-    def proposer(self):
-        """The inference-side view of this drafter (an ``inference.proposer.Proposer``)."""
+    def proposer(self, min_confidence: float = 0.0):
+        """The inference-side view of this drafter (an ``inference.proposer.Proposer``);
+        ``min_confidence`` > 0 lets a chain stop early where the drafter is unsure."""
         raise NotImplementedError
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:

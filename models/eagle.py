@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftlab.errors import DraftlabError
-from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, masked_mean, predicted_mask, shift_left
+from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
 from draftlab.models.drafter import Drafter, register
 from draftlab.models.layers import DecoderLayer, DraftKVCache, LayerShape, RMSNorm, Rotary, ttt_attention
 
@@ -71,10 +71,10 @@ class EagleBase(Drafter):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
-    def proposer(self):
+    def proposer(self, min_confidence: float = 0.0):
         from draftlab.inference.eagle import EagleProposer
 
-        return EagleProposer(self)
+        return EagleProposer(self, min_confidence)
 
     def head(self, h):
         raise NotImplementedError

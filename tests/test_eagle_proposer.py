@@ -60,3 +60,42 @@ def test_advance_keeps_drafter_state_equal_to_fresh_start(tiny_llama):
     q = d.proposer()
     q.start(ids[None, :19], {i: h[:, :19] for i, h in out.hidden.items()}, int(ids[19]))
     torch.testing.assert_close(inc, q.last_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_min_confidence_shortens_chains_and_stays_exact(tiny_llama):
+    d = _drafter("eagle3", tiny_llama)
+    prompt = torch.randint(0, tiny_llama.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    plain = generate_plain(tiny_llama, prompt, 40)
+    drafted = {}
+    for c in (0.0, 0.05, 0.999):
+        spec = SpeculativeDecoder(tiny_llama, d.proposer(min_confidence=c)).generate(prompt, 40, k=4)
+        assert spec.tokens == plain.tokens  # a shorter chain never changes the output
+        drafted[c] = spec.num_drafted
+    assert set(drafted[0.0]) == {4}
+    # the untrained drafter is unsure: a high bar leaves most steps undrafted, a low one some
+    assert sum(drafted[0.999]) < sum(drafted[0.05]) < sum(drafted[0.0])
+    assert min(drafted[0.05]) < 4
+
+
+def test_min_confidence_is_the_product_of_top1_probabilities(tiny_llama):
+    d = _drafter("eagle3", tiny_llama)
+    prompt = torch.randint(0, tiny_llama.vocab_size, (9,), generator=torch.Generator().manual_seed(4))
+    out = tiny_llama(prompt[None], layers=d.capture_layers, logits="last")
+    free = d.proposer()
+    free.start(prompt[None], out.hidden, 5)
+    # the confidences of the unrestricted chain, recomputed step by step
+    conf, h, logits, probs = 1.0, free.last_h, free.last_logits, []
+    for j in range(3):
+        p = logits.float().softmax(-1).max()
+        conf *= float(p)
+        probs.append(conf)
+        tok = d.to_target_ids(logits.max(-1, keepdim=True).indices)
+        with torch.no_grad():
+            h, lg = d.draft_step(tok.view(1, 1), h, torch.full((1, 1), free.pos + j), free.cache)
+        logits = lg[0, -1]
+    bounds = [1.0] + probs + [0.0]
+    assert all(a > b for a, b in zip(bounds, bounds[1:])), bounds
+    for n in range(4):  # a bar between the n-th and the (n+1)-th product keeps exactly n drafts
+        q = d.proposer(min_confidence=(bounds[n] + bounds[n + 1]) / 2)
+        q.start(prompt[None], out.hidden, 5)
+        assert q.propose(3).tokens.numel() == n, (n, probs)

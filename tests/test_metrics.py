@@ -215,6 +215,12 @@ def test_eval_cli(tiny_target_dirs, tmp_path, capsys):
     assert main(argv[:2] + [str(tmp_path / "nope")] + argv[3:]) == 2
     assert "no checkpoint directory" in capsys.readouterr().err
     assert main(argv[:-2] + ["--k", "0"]) == 2
+    # the decoding options of a trained drafter: one-line errors where they cannot apply
+    for bad, message in ((["--min-confidence", "0.2"], "not to 'ngram'"), (["--lookup-min-match", "2"], "not to 'ngram'"),
+                         (["--ngram-min", "3", "--ngram-max", "2"], "need 1 <= min <= max")):
+        capsys.readouterr()
+        assert main(argv + bad) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_generate_cli(tiny_target_dirs, capsys, monkeypatch):

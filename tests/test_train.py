@@ -103,15 +103,21 @@ def test_dotted_overrides(tmp_path, tiny_target_dirs, chat_file):
 
 
 # ---------------------------------------------------------------- resume after SIGKILL
-@pytest.mark.parametrize("algorithm", ["eagle1", "eagle3"])
-def test_killed_run_resumes_to_identical_weights(tmp_path, tiny_target_dirs, chat_file, algorithm):
+@pytest.mark.parametrize("algorithm,grad_accum", [("eagle1", 1), ("eagle3", 1), ("eagle3", 2)])
+def test_killed_run_resumes_to_identical_weights(tmp_path, tiny_target_dirs, chat_file, algorithm, grad_accum):
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
     ref_dir.mkdir()
     killed_dir.mkdir()
-    ref = write_recipe(ref_dir, tiny_target_dirs["llama"], chat_file, algorithm)
-    killed = write_recipe(killed_dir, tiny_target_dirs["llama"], chat_file, algorithm)
+    train = {"grad_accum": grad_accum}
+    ref = write_recipe(ref_dir, tiny_target_dirs["llama"], chat_file, algorithm, train=train)
+    killed = write_recipe(killed_dir, tiny_target_dirs["llama"], chat_file, algorithm, train=train)
     res = run_train([ref])
     assert res.returncode == 0, res.stderr[-2000:]
+    steps = [r for r in map(json.loads, (ref_dir / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    # a micro-batch holds at most batch_tokens (384) tokens: more per step means accumulation
+    per_step = sum(r["tokens"] for r in steps) / len(steps)
+    assert (per_step > 384) == (grad_accum > 1), per_step
     res = run_train([killed], env={"DRAFTLAB_FAULT_KILL_AFTER_STEP": "4"})
     assert res.returncode == -9  # SIGKILL right after the step-4 checkpoint
     assert not (killed_dir / "run" / "checkpoints" / "step-0000006").exists()
@@ -157,6 +163,16 @@ def test_train_then_evaluate_end_to_end(tmp_path, tiny_target_dirs, chat_file):
     meta = json.loads((run / "checkpoints" / "step-0000004" / "draftlab.json").read_text())
     assert meta["metrics"]["eval"]["tau"] == report["tau"]
     assert (run / "checkpoints" / "best" / "model.safetensors").is_file()
+    # the trained checkpoint under the dynamic decoding options, through the CLI
+    ev = [sys.executable, "-m", "draftlab.cli", "eval", "--drafter", str(run / "checkpoints" / "best"), "--target",
+          str(tiny_target_dirs["llama"]), "--data", "sharegpt-heldout", "--recipe", str(path), "--num-prompts", "2",
+          "--max-new-tokens", "12", "--k", "3", "--min-confidence", "0.01", "--lookup-min-match", "2", "--report", str(tmp_path / "dyn.json")]
+    res = subprocess.run(ev, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    dyn = json.loads((tmp_path / "dyn.json").read_text())
+    assert dyn["drafter"] == "lookup+eagle3" and dyn["greedy_match"] == "2/2"
+    res = subprocess.run(ev + ["--method", "tree"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 2 and "use --method chain" in res.stderr and "Traceback" not in res.stderr
 
 
 # ---------------------------------------------------------------- offline capture feeds training

@@ -427,6 +427,7 @@ class Trainer:
                 **agg,
                 "lr": self.sched.get_last_lr()[0],
                 "grad_norm": float(grad_norm),
+                "tokens": tokens,
                 "tokens_per_s": tok_s,
                 "elapsed_s": self.elapsed,
             }
