@@ -57,15 +57,12 @@ class EagleProposer(Proposer):
         out = []
         confidence = 1.0
         for j in range(k):
-            if self.min_confidence > 0:
-                top = logits.float().softmax(-1).max(-1, keepdim=True)
-                confidence *= float(top.values)
+            top = logits.max(-1, keepdim=True)
+            if self.min_confidence > 0:  # top-1 probability = exp(max logit - logsumexp)
+                confidence *= float((top.values.float() - logits.float().logsumexp(-1)).exp())
                 if confidence < self.min_confidence:
                     break
-                top = top.indices
-            else:
-                top = logits.max(-1, keepdim=True).indices
-            tok = self.d.to_target_ids(top)
+            tok = self.d.to_target_ids(top.indices)
             out.append(tok)
             if j + 1 < k:
                 pos = torch.full((1, 1), self.pos + j, device=tok.device)
