@@ -175,16 +175,16 @@ class Target:
         }
         self._backbone = model.model
         self._qk_norm = self.config.model_type == "qwen3"
-        # the linears of each decoder layer grouped by shared input; index -1 (last) is the lm_head
-        self._groups = [
+        # the linears of each decoder layer fused by shared input; index -1 (last) is the lm_head
+        self._fused = [
             {
-                "qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-                "o": [layer.self_attn.o_proj],
-                "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
-                "down": [layer.mlp.down_proj],
+                "qkv": FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                "o": FusedLinear([layer.self_attn.o_proj]),
+                "gate_up": FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                "down": FusedLinear([layer.mlp.down_proj]),
             }
             for layer in self._backbone.layers
-        ] + [{"lm_head": [model.lm_head]}]
+        ] + [{"lm_head": FusedLinear([model.lm_head])}]
         self._packed: list[dict[str, PackedLinear]] | None = None
 
     # ------------------------------------------------------------------ loading
@@ -326,21 +326,22 @@ class Target:
     def _linear(self, i: int, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The target's linears ``name`` of layer ``i`` (-1: lm_head) on ``x``, one output each.
 
-        Why not just the module: on CPU in fp32, MKL's GEMM for 2-64 rows streams the
-        weights ~1.7x slower than its 1-row GEMV, which makes a K+1-token verify cost far
-        more than a 1-token step. With oneDNN and pre-packed fused weights a 4-token verify
-        cost 1.42x a 1-token step in bench/e2e.py (HF's forward: 1.51x). 1-row steps and
-        large batches keep MKL."""
+        Why not just the modules: a decode step is bound by streaming the weights, and on CPU in
+        fp32 how fast depends on the row count. Measured over the default target's weights
+        (30 layers + lm_head, 2 threads): MKL's GEMM on the fused weights costs 1.06x its 1-row
+        time for 2 rows and 1.15x for 3, but 1.8x for 4; oneDNN on pre-packed weights costs
+        1.27x for 4 and 1.56x for 8. So 1-3 rows (plain steps, chains of up to 2 drafts) and
+        large batches take MKL, 4-64 rows (longer chains, trees) take oneDNN."""
         rows = x.numel() // x.shape[-1]
-        if 2 <= rows <= PACKED_MAX_ROWS and self._use_packed():
+        if MKL_MAX_ROWS < rows <= PACKED_MAX_ROWS and self._use_packed():
             return self._packed[i][name](x)
-        return tuple(m(x) for m in self._groups[i][name])
+        return self._fused[i][name](x)
 
     def _use_packed(self) -> bool:
         if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return False
         if self._packed is None:  # built on first use (only decoding pays its memory); the target is frozen, so it never goes stale
-            self._packed = [{name: PackedLinear(ms) for name, ms in group.items()} for group in self._groups]
+            self._packed = [{name: PackedLinear(f) for name, f in group.items()} for group in self._fused]
         return True
 
     def _layer(self, layer, x, cos, sin, cache, i, past, mask):
@@ -366,7 +367,7 @@ class Target:
         return x + self._linear(i, "down", layer.mlp.act_fn(gate) * up)[0]
 
 
-PACKED_MAX_ROWS = 64
+MKL_MAX_ROWS, PACKED_MAX_ROWS = 3, 64
 
 
 @torch.no_grad()
@@ -403,19 +404,40 @@ def warm_vml() -> None:
         op(x)
 
 
-class PackedLinear:
-    """Frozen linears sharing an input (q|k|v, gate|up), fused and packed for oneDNN's CPU GEMM."""
+class FusedLinear:
+    """Frozen linears sharing an input (q|k|v, gate|up) as one GEMM.
 
+    The fused weight is the only copy: the modules' parameters become views of it, so the
+    model's own modules (HF generate, export) still see their weights."""
+
+    @torch.no_grad()
     def __init__(self, linears: list[torch.nn.Linear]):
-        weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+        self.sizes = [m.out_features for m in linears]
         biases = [m.bias for m in linears]
+        if len(linears) == 1:
+            self.weight, self.bias = linears[0].weight, linears[0].bias
+            return
+        self.weight = torch.cat([m.weight for m in linears])
         self.bias = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat(
-                [b.detach() if b is not None else weight.new_zeros(m.out_features) for b, m in zip(biases, linears)]
-            )
-        self.sizes = [m.out_features for m in linears]
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+            self.bias = torch.cat([b if b is not None else self.weight.new_zeros(n) for b, n in zip(biases, self.sizes)])
+        start = 0
+        for m, n in zip(linears, self.sizes):
+            m.weight.data = self.weight[start : start + n]
+            if m.bias is not None:
+                m.bias.data = self.bias[start : start + n]
+            start += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+class PackedLinear:
+    """A :class:`FusedLinear`'s weight packed for oneDNN's CPU GEMM (an extra copy, built on first use)."""
+
+    def __init__(self, fused: FusedLinear):
+        self.sizes, self.bias = fused.sizes, fused.bias
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(fused.weight.detach(), 16)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")

@@ -89,19 +89,24 @@ def test_capture_equals_hf_forward(tiny_target_dirs, family):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
-    """1 row (MKL), 2..64 rows (oneDNN-packed fused weights, qwen2 has q/k/v biases) and
-    more rows (MKL) all give HF's logits; the packed path is really taken."""
-    from draftlab.models.target import PACKED_MAX_ROWS, Target
+    """1-3 rows (MKL on fused weights; qwen2 has q/k/v biases), 4..64 rows (oneDNN-packed)
+    and more rows (MKL) all give HF's logits; the packed path is really taken, and the HF
+    modules' weights are views of the fused ones (one copy)."""
+    from draftlab.models.target import MKL_MAX_ROWS, PACKED_MAX_ROWS, Target
 
     target = Target.load(str(tiny_target_dirs[family]))
     ids = make_samples(target.vocab_size, n=1, lo=120, hi=121)[0]["input_ids"][None]
     ref = target.model(ids).logits
     cache, start = target.new_cache(1, 128), 0
-    for n in (30, 1, 4, PACKED_MAX_ROWS + 5, 13):
+    for n in (30, 1, 2, MKL_MAX_ROWS, MKL_MAX_ROWS + 1, PACKED_MAX_ROWS + 5, 10):
         out = target(ids[:, start : start + n], cache=cache, logits="all")
         torch.testing.assert_close(out.logits, ref[:, start : start + n], rtol=1e-5, atol=1e-5)
         start += n
     assert target._packed is not None
+    attn = target.model.model.layers[0].self_attn
+    fused = target._fused[0]["qkv"]
+    assert attn.k_proj.weight.data_ptr() == fused.weight[attn.q_proj.out_features :].data_ptr()
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
