@@ -314,7 +314,7 @@ def kernel_times(vocab: int, k: int, tree: TreeSpec, reps: int) -> dict:
     drafts = torch.randint(vocab, (k,), generator=g)
     cu = torch.tensor([0, k])
     argmax_c = logits_c.argmax(-1)
-    drafts[:2] = argmax_c[:2]  # accept a couple, like a real step
+    drafts[: min(2, k)] = argmax_c[: min(2, k)]  # accept a couple, like a real step
     probs_c = process_logits(logits_c, 1.0)
     noise_c = torch.empty(k + 1, vocab).exponential_(generator=g)
     unif_c = torch.rand(k, dtype=torch.float64, generator=g)
