@@ -76,6 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
 from peak import append_benchmarks, cpu_name  # noqa: E402
 
+from draftlab.errors import DraftlabError  # noqa: E402
+from draftlab.inference.evaluate import check_decoding_options  # noqa: E402
 from draftlab.inference.proposer import TreeSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -457,12 +459,12 @@ def parse_args(argv):
         args.num_prompts, args.max_new_tokens, args.reps = min(args.num_prompts, 2), min(args.max_new_tokens, 16), min(args.reps, 5)
     if min(args.num_prompts, args.max_new_tokens, args.k, args.reps, args.tree_depth, args.tree_topk, args.tree_total) < 1:
         p.error("--num-prompts, --max-new-tokens, --k, --reps and the tree flags must be >= 1")
-    if not 1 <= args.ngram_min <= args.ngram_max:
-        p.error(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
+    try:  # the same ranges draftlab eval checks
+        check_decoding_options(args)
+    except DraftlabError as e:
+        p.error(str(e))
     if args.drafter is not None and not Path(args.drafter).is_dir():
         p.error(f"--drafter: no checkpoint directory at {args.drafter}")
-    if not 0.0 <= args.min_confidence < 1.0 or not 0 <= args.lookup_min_match <= args.ngram_max:
-        p.error("--min-confidence must be in [0, 1) and --lookup-min-match in 0..--ngram-max")
     if (args.min_confidence or args.lookup_min_match) and args.drafter is None:
         p.error("--min-confidence and --lookup-min-match add EAGLE-3 rows: they need --drafter")
     return args

@@ -197,18 +197,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no greedy match)")
 
 
-def load_models(args) -> tuple:
-    """(target, proposer) from the shared flags."""
-    from draftlab.models.target import Target
-
-    if args.method == "chain" and args.k < 1:
-        raise DraftlabError(f"--k must be >= 1, got {args.k}")
+def check_decoding_options(args) -> None:
+    """The ranges of the options :func:`add_model_arguments` adds for n-gram lookup and dynamic
+    drafting (DraftlabError naming the flag), checked before any model loads."""
     if not 1 <= args.ngram_min <= args.ngram_max:
         raise DraftlabError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
     if not 0.0 <= args.min_confidence < 1.0:
         raise DraftlabError(f"--min-confidence must be in [0, 1), got {args.min_confidence}")
     if not 0 <= args.lookup_min_match <= args.ngram_max:
         raise DraftlabError(f"--lookup-min-match must be in 0..--ngram-max ({args.ngram_max}), got {args.lookup_min_match}")
+
+
+def load_models(args) -> tuple:
+    """(target, proposer) from the shared flags."""
+    from draftlab.models.target import Target
+
+    if args.method == "chain" and args.k < 1:
+        raise DraftlabError(f"--k must be >= 1, got {args.k}")
+    check_decoding_options(args)
     if args.drafter == "ngram" and (args.lookup_min_match or args.min_confidence):
         raise DraftlabError("--lookup-min-match and --min-confidence apply to a trained drafter, not to 'ngram'")
     if args.lookup_min_match and args.method != "chain":

@@ -208,11 +208,11 @@ class Target:
             )
         except OSError as e:
             raise TargetLoadError(f"cannot load target '{spec}': {str(e).splitlines()[0]}") from e
-        model = model.to(device)
-        if model.lm_head.weight.device.type == "cpu":
-            own_memory(model)
+        target = cls(model.to(device), tok, identity)
+        if target.device.type == "cpu":
+            own_memory(model)  # after fusing: q|k|v and gate|up are already fresh copies
             warm_vml()
-        return cls(model, tok, identity)
+        return target
 
     # ------------------------------------------------------------------ facts
     @property
