@@ -13,8 +13,9 @@ separately, not part of the drafter numbers). Both drafters start from the same 
 the same rows and hidden states:
 
 * draftlab: ``Eagle3Drafter`` via ``drafter(batch, hidden, Eagle3Loss(ttt_steps=7))`` on
-  [batch, seq_len]. Its step includes ``target_distribution`` (the target's full-vocab lm_head
-  over hidden[L], no grad), as in the trainer.
+  [batch, seq_len]. Its step includes the target's full-vocab lm_head over hidden[L] (no grad;
+  ``derived_targets`` + ``target_distribution``), as in the trainer's online and offline modes
+  (``capture.mode: memory`` computes the full-vocab part once per sample).
 * speculators 0.9: ``Eagle3DraftModel(..., ttt_steps=7)`` with SDPA attention (its default flex
   attention has no CPU path), its eager KL loss (the fused one is Triton/GPU-only) and the
   pre-norm last hidden state for its verifier head; rows are packed into its [1, batch*seq_len]

@@ -73,8 +73,16 @@ class Drafter(nn.Module):
 
     def training_loss(self, batch: dict, hidden: dict[int, torch.Tensor], loss_cfg: BaseModel):
         """-> (loss scalar, metrics dict of floats/lists). ``batch`` has input_ids, loss_mask,
-        attention_mask [B, T]; ``hidden`` the captured target states for ``capture_layers``."""
+        attention_mask [B, T] and, when the trainer supplies them, the ``derived_targets``;
+        ``hidden`` the captured target states for ``capture_layers``."""
         raise NotImplementedError
+
+    def derived_targets(self, hidden: dict[int, torch.Tensor], batch: dict) -> dict[str, torch.Tensor]:
+        """Per-position tensors [B, T, ...] computed from the capture that are the same in every
+        epoch (e.g. the target's full-vocab argmax). The trainer adds them to ``batch`` and, with
+        ``capture.mode: memory``, caches them beside the hidden states so they are computed once
+        per sample. Values at padded positions are unspecified. Default: none."""
+        return {}
 
     # ---- inference ----------------------------------------------------------------
     def draft_step(self, tokens, feats, positions, cache, mask=None):

@@ -161,6 +161,29 @@ def test_draft_vocab_and_lm_head_init(tiny_llama):
     torch.testing.assert_close(d.lm_head.weight, tiny_llama.lm_head.weight[target_ids])
 
 
+def test_eagle3_targets_match_full_vocab_definition(tiny_llama):
+    """The cached full-vocab argmax and the draft-rows-only distribution equal what the full
+    target logits give, and a supplied (cached) argmax gives the same loss as none."""
+    samples = _samples(tiny_llama, T=16)
+    d = Eagle3Drafter.build(Eagle3Config(draft_vocab_size=32), tiny_llama, samples)
+    ids = torch.stack([s["input_ids"] for s in samples[:2]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :5] = False  # a "user" prefix: positions whose prediction does not count get -1
+    batch = {"input_ids": ids, "loss_mask": mask}
+    hidden = tiny_llama(ids, layers=d.capture_layers, logits=None).hidden
+    final = hidden[d.num_target_layers]
+    full = tiny_llama.lm_head(final).float()
+    argmax = d.derived_targets(hidden, batch)["target_argmax"]
+    need = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
+    assert (argmax[~need] == -1).all()
+    assert torch.equal(argmax[need], full.argmax(-1)[need])
+    torch.testing.assert_close(d.target_distribution(final.flatten(0, 1)), full[..., d.t2d].softmax(-1).flatten(0, 1))
+    cfg = Eagle3Loss(ttt_steps=2)
+    loss_a, m_a = d(batch, hidden, cfg)
+    loss_b, m_b = d({**batch, "target_argmax": argmax}, hidden, cfg)
+    assert loss_a.item() == loss_b.item() and m_a["acc"] == m_b["acc"]
+
+
 def test_bad_aux_layer_is_a_clear_error(tiny_llama):
     from draftlab.errors import DraftlabError
 

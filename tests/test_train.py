@@ -200,3 +200,20 @@ def test_offline_capture_trains_like_online(tmp_path, tiny_target_dirs, chat_fil
     b = load_file(offline_dir / "run" / "checkpoints" / "step-0000003" / "model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_memory_capture_trains_like_online(tmp_path, tiny_target_dirs, chat_file):
+    """capture.mode memory (hidden states and the target's argmax cached in epoch 1, reused in
+    epoch 2) gives the weights of a run whose target runs every step."""
+    target = tiny_target_dirs["llama"]
+    dirs = {mode: tmp_path / mode for mode in ("online", "memory")}
+    for mode, d in dirs.items():
+        d.mkdir()
+        r = write_recipe(d, target, chat_file, train={"max_steps": None, "epochs": 2, "checkpoint_every": 100}, capture={"mode": mode})
+        res = run_train([r])
+        assert res.returncode == 0, res.stderr[-2000:]
+    ckpts = [sorted((d / "run" / "checkpoints").glob("step-*"))[-1] for d in dirs.values()]
+    assert ckpts[0].name == ckpts[1].name and int(ckpts[0].name.split("-")[1]) >= 4  # two epochs of steps
+    a, b = (load_file(c / "model.safetensors") for c in ckpts)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)

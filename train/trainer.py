@@ -158,7 +158,7 @@ class Trainer:
         self.world = accelerator.num_processes
         self.rank = accelerator.process_index
         self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-        self.memory_cache: dict[int, dict[int, torch.Tensor]] = {}
+        self.memory_cache: dict[int, tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]] = {}  # sample -> (hidden, derived)
         self.layers = drafter.capture_layers
         self.raw_drafter = drafter
 
@@ -235,36 +235,33 @@ class Trainer:
                 yield epoch, b
             epoch, idx = epoch + 1, 0
 
-    def capture(self, indices: list[int], batch: dict) -> dict[int, torch.Tensor]:
+    def capture(self, indices: list[int], batch: dict) -> tuple[dict[int, torch.Tensor], dict]:
+        """-> (hidden states {layer: [B, T, H]}, ``batch`` plus the drafter's derived targets).
+        With ``capture.mode: memory`` both are computed once per sample and reused afterwards."""
         mode = self.r.capture.mode
+        T = batch["input_ids"].shape[1]
+        if mode == "memory" and all(i in self.memory_cache for i in indices):
+            cached = [self.memory_cache[i] for i in indices]
+            hidden = {layer: _pad_rows([h[layer] for h, _ in cached], T) for layer in self.layers}
+            derived = {k: _pad_rows([d[k] for _, d in cached], T) for k in cached[0][1]}
+            return hidden, {**batch, **derived}
         if mode == "offline":
             items = [self.offline[i]["hidden"] for i in indices]
-            T = batch["input_ids"].shape[1]
-            out = {}
-            for layer in self.layers:
-                rows = [h[layer] for h in items]
-                padded = torch.zeros(len(rows), T, rows[0].shape[-1], dtype=self.target.dtype)
-                for j, r in enumerate(rows):
-                    padded[j, : r.shape[0]] = r
-                out[layer] = padded.to(self.target.device)
-            return out
-        if mode == "memory" and all(i in self.memory_cache for i in indices):
-            T = batch["input_ids"].shape[1]
-            out = {}
-            for layer in self.layers:
-                padded = torch.zeros(len(indices), T, self.target.hidden_size, dtype=self.target.dtype, device=self.target.device)
-                for j, i in enumerate(indices):
-                    h = self.memory_cache[i][layer]
-                    padded[j, : h.shape[0]] = h
-                out[layer] = padded
-            return out
-        # Right padding + causal attention: real tokens never see padding, so no mask is needed.
-        hidden = self.target(batch["input_ids"], layers=self.layers, logits=None).hidden
+            hidden = {
+                layer: _pad_rows([h[layer] for h in items], T).to(device=self.target.device, dtype=self.target.dtype)
+                for layer in self.layers
+            }
+        else:  # right padding + causal attention: real tokens never see padding, so no mask is needed
+            hidden = self.target(batch["input_ids"], layers=self.layers, logits=None).hidden
+        derived = self.raw_drafter.derived_targets(hidden, batch)
         if mode == "memory":
             for j, i in enumerate(indices):
                 n = int(batch["attention_mask"][j].sum())
-                self.memory_cache[i] = {layer: hidden[layer][j, :n].clone() for layer in self.layers}
-        return hidden
+                self.memory_cache[i] = (
+                    {layer: hidden[layer][j, :n].clone() for layer in self.layers},
+                    {k: v[j, :n].clone() for k, v in derived.items()},
+                )
+        return hidden, {**batch, **derived}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, metrics: dict) -> Path:
@@ -403,7 +400,7 @@ class Trainer:
                 epoch, indices = next(stream)
                 batch = collate([self.samples[i] for i in indices], self.pad_id)
                 batch = {k: v.to(self.target.device) for k, v in batch.items()}
-                hidden = self.capture(indices, batch)
+                hidden, batch = self.capture(indices, batch)
                 # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
                 with self.acc.accumulate(self.model):
                     loss, metrics = self.model(batch, hidden, self.loss_cfg)
@@ -479,6 +476,14 @@ class Trainer:
                     ckpt.write_json(path / ckpt.META, meta)
             self.acc.wait_for_everyone()
         self.prune()
+
+
+def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Stack per-sample rows [n_j, ...] into [B, T, ...], zero-filled after each row's end."""
+    out = rows[0].new_zeros(len(rows), T, *rows[0].shape[1:])
+    for j, r in enumerate(rows):
+        out[j, : r.shape[0]] = r
+    return out
 
 
 def _owned_weight_fraction(model) -> float:
