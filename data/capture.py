@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from draftlab.errors import DraftlabError
 from draftlab.models.target import file_sha256
@@ -637,20 +638,11 @@ def collate_captured(items: Sequence[dict], pad_id: int) -> dict:
     [B, T] plus ``hidden`` {layer: [B, T, H]} (and top-k [B, T, k]), zeros at padding."""
     from draftlab.data.dataset import collate
 
-    batch = collate(items, pad_id)
-    B, T = batch["input_ids"].shape
-    batch["hidden"] = {}
-    for layer, h in items[0]["hidden"].items():
-        out = h.new_zeros(B, T, h.shape[-1])
-        for r, item in enumerate(items):
-            out[r, : item["hidden"][layer].shape[0]] = item["hidden"][layer]
-        batch["hidden"][layer] = out
+    batch = collate(items, pad_id)  # T = the longest item, so padding the rows below gives [B, T, ...]
+    batch["hidden"] = {layer: pad_sequence([it["hidden"][layer] for it in items], batch_first=True) for layer in items[0]["hidden"]}
     for key in ("topk_values", "topk_indices"):
         if key in items[0]:
-            out = items[0][key].new_zeros(B, T, items[0][key].shape[-1])
-            for r, item in enumerate(items):
-                out[r, : item[key].shape[0]] = item[key]
-            batch[key] = out
+            batch[key] = pad_sequence([it[key] for it in items], batch_first=True)
     return batch
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import DistributedType
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from draftlab.data.dataset import batches_by_tokens, collate
@@ -237,18 +238,18 @@ class Trainer:
 
     def capture(self, indices: list[int], batch: dict) -> tuple[dict[int, torch.Tensor], dict]:
         """-> (hidden states {layer: [B, T, H]}, ``batch`` plus the drafter's derived targets).
-        With ``capture.mode: memory`` both are computed once per sample and reused afterwards."""
+        With ``capture.mode: memory`` both are computed once per sample and reused afterwards.
+        Per-sample rows are zero-padded to the batch's T, the longest sample's length (``collate``)."""
         mode = self.r.capture.mode
-        T = batch["input_ids"].shape[1]
         if mode == "memory" and all(i in self.memory_cache for i in indices):
             cached = [self.memory_cache[i] for i in indices]
-            hidden = {layer: _pad_rows([h[layer] for h, _ in cached], T) for layer in self.layers}
-            derived = {k: _pad_rows([d[k] for _, d in cached], T) for k in cached[0][1]}
+            hidden = {layer: pad_sequence([h[layer] for h, _ in cached], batch_first=True) for layer in self.layers}
+            derived = {k: pad_sequence([d[k] for _, d in cached], batch_first=True) for k in cached[0][1]}
             return hidden, {**batch, **derived}
         if mode == "offline":
             items = [self.offline[i]["hidden"] for i in indices]
             hidden = {
-                layer: _pad_rows([h[layer] for h in items], T).to(device=self.target.device, dtype=self.target.dtype)
+                layer: pad_sequence([h[layer] for h in items], batch_first=True).to(device=self.target.device, dtype=self.target.dtype)
                 for layer in self.layers
             }
         else:  # right padding + causal attention: real tokens never see padding, so no mask is needed
@@ -476,14 +477,6 @@ class Trainer:
                     ckpt.write_json(path / ckpt.META, meta)
             self.acc.wait_for_everyone()
         self.prune()
-
-
-def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
-    """Stack per-sample rows [n_j, ...] into [B, T, ...], zero-filled after each row's end."""
-    out = rows[0].new_zeros(len(rows), T, *rows[0].shape[1:])
-    for j, r in enumerate(rows):
-        out[j, : r.shape[0]] = r
-    return out
 
 
 def _owned_weight_fraction(model) -> float:
