@@ -76,13 +76,14 @@ def exit_process(rc: int) -> None:
     static destructors. That teardown is racy against gloo's C++ worker threads: now and then a rank
     aborted there ("terminate called without an active exception", SIGABRT; once in CI under torchrun
     DDP, once in a session under DeepSpeed ZeRO-2, 0 of 21 local DDP runs) after every checkpoint and
-    log had been written and the process group destroyed, and the launcher then failed the job. PyTorch issues
-    #190489 and PR #179291 describe the same teardown abort. Everything the run writes is closed
+    log had been written and the process group destroyed, and the launcher then failed the job.
+    PyTorch issue #190489 and PR #179291 describe the same teardown abort. Everything the run writes is closed
     by then (checkpoints are renamed into place, the metric logger is closed)."""
+    from accelerate.utils import parse_flag_from_env
+
     sys.stdout.flush()
     sys.stderr.flush()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+    if os.environ.get("WORLD_SIZE", "1") != "1" or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         logging.shutdown()
         os._exit(rc)
     sys.exit(rc)
