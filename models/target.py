@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,7 @@ class Target:
             for layer in self._backbone.layers
         ] + [{"lm_head": FusedLinear([model.lm_head])}]
         self._packed: list[dict[str, PackedLinear]] | None = None
+        self._small_mkl_rows: frozenset[int] | None = None  # set by _mkl_rows on first use
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -327,22 +329,57 @@ class Target:
         """The target's linears ``name`` of layer ``i`` (-1: lm_head) on ``x``, one output each.
 
         Why not just the modules: a decode step is bound by streaming the weights, and on CPU in
-        fp32 how fast depends on the row count. Measured over the default target's weights
-        (30 layers + lm_head, 2 threads): MKL's GEMM on the fused weights costs 1.06x its 1-row
-        time for 2 rows and 1.15x for 3, but 1.8x for 4; oneDNN on pre-packed weights costs
-        1.27x for 4 and 1.56x for 8. So 1-3 rows (plain steps, chains of up to 2 drafts) and
-        large batches take MKL, 4-64 rows (longer chains, trees) take oneDNN."""
+        fp32 how fast depends on the row count and on the CPU. Over the default target's weights
+        (30 layers + lm_head, 2 threads), relative to MKL's 1-row GEMM on the fused weights:
+
+        | rows | Intel Xeon: MKL / oneDNN-packed | AMD EPYC (AVX2): MKL / oneDNN-packed |
+        |---|---|---|
+        | 1 | 1.00 / - | 1.00 / 0.70 |
+        | 2 | 1.06 / - | 1.77 / 0.81 |
+        | 3 | 1.15 / - | 2.62 / 0.76 |
+        | 4 | 1.8 / 1.27 | 1.90 / 0.88 |
+        | 8 | - / 1.56 | 2.50 / 1.18 |
+
+        So 4-64 rows (chains, trees) always take oneDNN on pre-packed weights, 1-3 rows (plain
+        steps, short chains) take whichever :meth:`_pick_small_row_paths` measured faster on this
+        machine, and larger batches (prefill, capture) take MKL."""
         rows = x.numel() // x.shape[-1]
-        if MKL_MAX_ROWS < rows <= PACKED_MAX_ROWS and self._use_packed():
+        if rows <= PACKED_MAX_ROWS and rows not in self._mkl_rows():
             return self._packed[i][name](x)
         return self._fused[i][name](x)
 
-    def _use_packed(self) -> bool:
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-            return False
-        if self._packed is None:  # built on first use (only decoding pays its memory); the target is frozen, so it never goes stale
-            self._packed = [{name: PackedLinear(f) for name, f in group.items()} for group in self._fused]
-        return True
+    def _mkl_rows(self) -> frozenset[int]:
+        """Row counts up to PACKED_MAX_ROWS that run on MKL; the first call packs the weights
+        (only decoding pays that memory; the target is frozen, so they never go stale)."""
+        if self._small_mkl_rows is None:
+            if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+                self._small_mkl_rows = frozenset(range(1, PACKED_MAX_ROWS + 1))
+            else:
+                self._packed = [{name: PackedLinear(f) for name, f in group.items()} for group in self._fused]
+                self._small_mkl_rows = self._pick_small_row_paths()
+        return self._small_mkl_rows
+
+    @torch.no_grad()
+    def _pick_small_row_paths(self, reps: int = 3) -> frozenset[int]:
+        """Time both GEMM paths over all of this target's weights for 1..MKL_CANDIDATE_ROWS rows
+        (best of ``reps``, interleaved; about a second for the default target) and keep MKL
+        for the row counts where it was faster."""
+        def sweep(groups, rows):
+            for group in groups:
+                for f in group.values():
+                    f(x[rows].narrow(-1, 0, f.in_features))
+
+        width = max(f.in_features for group in self._fused for f in group.values())
+        x = {r: torch.randn(r, width, dtype=self.dtype) for r in range(1, MKL_CANDIDATE_ROWS + 1)}
+        best = {(path, r): float("inf") for path in ("mkl", "packed") for r in x}
+        for rep in range(reps + 1):  # the first round warms both paths up and is not counted
+            for r in x:
+                for path, groups in (("mkl", self._fused), ("packed", self._packed)):
+                    start = time.perf_counter()
+                    sweep(groups, r)
+                    if rep:
+                        best[path, r] = min(best[path, r], time.perf_counter() - start)
+        return frozenset(r for r in x if best["mkl", r] < best["packed", r])
 
     def _layer(self, layer, x, cos, sin, cache, i, past, mask):
         attn = layer.self_attn
@@ -367,7 +404,7 @@ class Target:
         return x + self._linear(i, "down", layer.mlp.act_fn(gate) * up)[0]
 
 
-MKL_MAX_ROWS, PACKED_MAX_ROWS = 3, 64
+MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS = 3, 64
 
 
 @torch.no_grad()
@@ -413,6 +450,7 @@ class FusedLinear:
     @torch.no_grad()
     def __init__(self, linears: list[torch.nn.Linear]):
         self.sizes = [m.out_features for m in linears]
+        self.in_features = linears[0].in_features
         biases = [m.bias for m in linears]
         if len(linears) == 1:
             self.weight, self.bias = linears[0].weight, linears[0].bias
@@ -436,7 +474,7 @@ class PackedLinear:
     """A :class:`FusedLinear`'s weight packed for oneDNN's CPU GEMM (an extra copy, built on first use)."""
 
     def __init__(self, fused: FusedLinear):
-        self.sizes, self.bias = fused.sizes, fused.bias
+        self.sizes, self.bias, self.in_features = fused.sizes, fused.bias, fused.in_features
         self.weight = torch.ops.mkldnn._reorder_linear_weight(fused.weight.detach(), 16)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -89,20 +89,27 @@ def test_capture_equals_hf_forward(tiny_target_dirs, family):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
-    """1-3 rows (MKL on fused weights; qwen2 has q/k/v biases), 4..64 rows (oneDNN-packed)
-    and more rows (MKL) all give HF's logits; the packed path is really taken, and the HF
-    modules' weights are views of the fused ones (one copy)."""
-    from draftlab.models.target import MKL_MAX_ROWS, PACKED_MAX_ROWS, Target
+    """Every GEMM path gives HF's logits: 1-3 rows on MKL or on oneDNN-packed fused weights
+    (whichever the machine measured faster: both are forced here; qwen2 has q/k/v biases),
+    4..64 rows packed, more rows MKL; and the HF modules' weights are views of the fused ones
+    (one copy)."""
+    from draftlab.models.target import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, Target
 
     target = Target.load(str(tiny_target_dirs[family]))
+    assert target._mkl_rows() <= set(range(1, MKL_CANDIDATE_ROWS + 1))  # measured once, packs the weights
     ids = make_samples(target.vocab_size, n=1, lo=120, hi=121)[0]["input_ids"][None]
     ref = target.model(ids).logits
-    cache, start = target.new_cache(1, 128), 0
-    for n in (30, 1, 2, MKL_MAX_ROWS, MKL_MAX_ROWS + 1, PACKED_MAX_ROWS + 5, 10):
-        out = target(ids[:, start : start + n], cache=cache, logits="all")
-        torch.testing.assert_close(out.logits, ref[:, start : start + n], rtol=1e-5, atol=1e-5)
-        start += n
-    assert target._packed is not None
+    packed_qkv, packed_rows = target._packed[0]["qkv"], []
+    target._packed[0]["qkv"] = lambda x: packed_rows.append(x.shape[1]) or packed_qkv(x)  # record what takes the packed path
+    for small_rows_on_mkl in (True, False):
+        target._small_mkl_rows = frozenset(range(1, MKL_CANDIDATE_ROWS + 1)) if small_rows_on_mkl else frozenset()
+        cache, start, packed_rows[:] = target.new_cache(1, 128), 0, []
+        for n in (30, 1, 2, MKL_CANDIDATE_ROWS, MKL_CANDIDATE_ROWS + 1, PACKED_MAX_ROWS + 5, 10):
+            out = target(ids[:, start : start + n], cache=cache, logits="all")
+            torch.testing.assert_close(out.logits, ref[:, start : start + n], rtol=1e-5, atol=1e-5)
+            start += n
+        small = [] if small_rows_on_mkl else [1, 2, MKL_CANDIDATE_ROWS]
+        assert packed_rows == [30] + small + [MKL_CANDIDATE_ROWS + 1, 10]
     attn = target.model.model.layers[0].self_attn
     fused = target._fused[0]["qkv"]
     assert attn.k_proj.weight.data_ptr() == fused.weight[attn.q_proj.out_features :].data_ptr()
