@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
+from draftlab.models.cpu_gemm import PACKED_MAX_ROWS, PackedLinear, mkl_faster_rows, packing_available
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -329,57 +329,27 @@ class Target:
         """The target's linears ``name`` of layer ``i`` (-1: lm_head) on ``x``, one output each.
 
         Why not just the modules: a decode step is bound by streaming the weights, and on CPU in
-        fp32 how fast depends on the row count and on the CPU. Over the default target's weights
-        (30 layers + lm_head, 2 threads), relative to MKL's 1-row GEMM on the fused weights:
-
-        | rows | Intel Xeon: MKL / oneDNN-packed | AMD EPYC (AVX2): MKL / oneDNN-packed |
-        |---|---|---|
-        | 1 | 1.00 / - | 1.00 / 0.70 |
-        | 2 | 1.06 / - | 1.77 / 0.81 |
-        | 3 | 1.15 / - | 2.62 / 0.76 |
-        | 4 | 1.8 / 1.27 | 1.90 / 0.88 |
-        | 8 | - / 1.56 | 2.50 / 1.18 |
-
-        So 4-64 rows (chains, trees) always take oneDNN on pre-packed weights, 1-3 rows (plain
-        steps, short chains) take whichever :meth:`_pick_small_row_paths` measured faster on this
-        machine, and larger batches (prefill, capture) take MKL."""
+        fp32 the faster GEMM for a few rows depends on the row count and the CPU (see
+        :mod:`draftlab.models.cpu_gemm`): small row counts take oneDNN-packed copies of the fused
+        weights unless MKL measured faster for them on this machine, larger ones MKL."""
+        fused = self._fused[i][name]
         rows = x.numel() // x.shape[-1]
         if rows <= PACKED_MAX_ROWS and rows not in self._mkl_rows():
-            return self._packed[i][name](x)
-        return self._fused[i][name](x)
+            return self._packed[i][name](x).split(fused.sizes, dim=-1)
+        return fused(x)
 
     def _mkl_rows(self) -> frozenset[int]:
-        """Row counts up to PACKED_MAX_ROWS that run on MKL; the first call packs the weights
-        (only decoding pays that memory; the target is frozen, so they never go stale)."""
+        """Row counts up to PACKED_MAX_ROWS that run on MKL. The first call packs the weights and
+        times both paths (only decoding pays that; the target is frozen, so they never go stale)."""
         if self._small_mkl_rows is None:
-            if self.device.type != "cpu" or self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            if not packing_available(self._fused[0]["qkv"].weight):
                 self._small_mkl_rows = frozenset(range(1, PACKED_MAX_ROWS + 1))
             else:
-                self._packed = [{name: PackedLinear(f) for name, f in group.items()} for group in self._fused]
-                self._small_mkl_rows = self._pick_small_row_paths()
+                self._packed = [{name: PackedLinear(f.weight, f.bias) for name, f in group.items()} for group in self._fused]
+                self._small_mkl_rows = mkl_faster_rows(
+                    [(f, p, f.weight.shape[1]) for fs, ps in zip(self._fused, self._packed) for f, p in zip(fs.values(), ps.values())]
+                )
         return self._small_mkl_rows
-
-    @torch.no_grad()
-    def _pick_small_row_paths(self, reps: int = 3) -> frozenset[int]:
-        """Time both GEMM paths over all of this target's weights for 1..MKL_CANDIDATE_ROWS rows
-        (best of ``reps``, interleaved; about a second for the default target) and keep MKL
-        for the row counts where it was faster."""
-        def sweep(groups, rows):
-            for group in groups:
-                for f in group.values():
-                    f(x[rows].narrow(-1, 0, f.in_features))
-
-        width = max(f.in_features for group in self._fused for f in group.values())
-        x = {r: torch.randn(r, width, dtype=self.dtype) for r in range(1, MKL_CANDIDATE_ROWS + 1)}
-        best = {(path, r): float("inf") for path in ("mkl", "packed") for r in x}
-        for rep in range(reps + 1):  # the first round warms both paths up and is not counted
-            for r in x:
-                for path, groups in (("mkl", self._fused), ("packed", self._packed)):
-                    start = time.perf_counter()
-                    sweep(groups, r)
-                    if rep:
-                        best[path, r] = min(best[path, r], time.perf_counter() - start)
-        return frozenset(r for r in x if best["mkl", r] < best["packed", r])
 
     def _layer(self, layer, x, cos, sin, cache, i, past, mask):
         attn = layer.self_attn
@@ -403,8 +373,6 @@ class Target:
         gate, up = self._linear(i, "gate_up", layer.post_attention_layernorm(x))
         return x + self._linear(i, "down", layer.mlp.act_fn(gate) * up)[0]
 
-
-MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS = 3, 64
 
 
 @torch.no_grad()
@@ -450,7 +418,6 @@ class FusedLinear:
     @torch.no_grad()
     def __init__(self, linears: list[torch.nn.Linear]):
         self.sizes = [m.out_features for m in linears]
-        self.in_features = linears[0].in_features
         biases = [m.bias for m in linears]
         if len(linears) == 1:
             self.weight, self.bias = linears[0].weight, linears[0].bias
@@ -468,18 +435,6 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-
-
-class PackedLinear:
-    """A :class:`FusedLinear`'s weight packed for oneDNN's CPU GEMM (an extra copy, built on first use)."""
-
-    def __init__(self, fused: FusedLinear):
-        self.sizes, self.bias, self.in_features = fused.sizes, fused.bias, fused.in_features
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(fused.weight.detach(), 16)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], sum(self.sizes)).split(self.sizes, dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,8 @@ def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
     (whichever the machine measured faster: both are forced here; qwen2 has q/k/v biases),
     4..64 rows packed, more rows MKL; and the HF modules' weights are views of the fused ones
     (one copy)."""
-    from draftlab.models.target import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, Target
+    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS
+    from draftlab.models.target import Target
 
     target = Target.load(str(tiny_target_dirs[family]))
     assert target._mkl_rows() <= set(range(1, MKL_CANDIDATE_ROWS + 1))  # measured once, packs the weights
