@@ -59,7 +59,7 @@ def mkl_faster_rows(paths: list[tuple[Callable, Callable, int]], reps: int = 3) 
     best = {(side, r): float("inf") for side in (0, 1) for r in rows}
     for rep in range(reps + 1):
         for r in rows:
-            for side in (0, 1):
+            for side in (0, 1):  # 0: MKL, 1: packed
                 start = time.perf_counter()
                 for fns in paths:
                     fns[side](x[r, fns[2]])

@@ -374,7 +374,6 @@ class Target:
         return x + self._linear(i, "down", layer.mlp.act_fn(gate) * up)[0]
 
 
-
 @torch.no_grad()
 def own_memory(model: torch.nn.Module) -> None:
     """Copy CPU weights that still view the memory-mapped checkpoint into the process's own memory.
