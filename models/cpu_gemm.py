@@ -39,7 +39,7 @@ class PackedLinear:
     """``F.linear(x, weight, bias)`` on a copy of ``weight`` packed for oneDNN's CPU GEMM."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.bias, self.in_features, self.out_features = bias, weight.shape[1], weight.shape[0]
+        self.bias, self.out_features = bias, weight.shape[0]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

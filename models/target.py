@@ -334,7 +334,7 @@ class Target:
         weights unless MKL measured faster for them on this machine, larger ones MKL."""
         fused = self._fused[i][name]
         rows = x.numel() // x.shape[-1]
-        if rows <= PACKED_MAX_ROWS and rows not in self._mkl_rows():
+        if rows <= PACKED_MAX_ROWS and rows not in self._mkl_rows():  # in this order: large batches (capture) never pack
             return self._packed[i][name](x).split(fused.sizes, dim=-1)
         return fused(x)
 
