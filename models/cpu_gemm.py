@@ -68,6 +68,14 @@ def mkl_faster_rows(paths: list[tuple[Callable, Callable, int]], reps: int = 3) 
     return frozenset(r for r in rows if best[0, r] < best[1, r])
 
 
+def takes_packed(x: torch.Tensor, mkl_rows: Callable[[], frozenset[int]]) -> bool:
+    """Whether ``x``'s row count runs on the packed weights: up to PACKED_MAX_ROWS rows, unless
+    MKL measured faster for it. ``mkl_rows`` is called only for such small row counts, so a
+    caller that packs lazily on that call never packs for a large batch (capture, training)."""
+    rows = x.numel() // x.shape[-1]
+    return rows <= PACKED_MAX_ROWS and rows not in mkl_rows()
+
+
 class DecodeLinear(nn.Module):
     """A frozen ``nn.Linear`` for decoding: up to PACKED_MAX_ROWS rows on its packed copy unless
     the row count is in ``mkl_rows``, more rows (a prefill) on MKL."""
@@ -79,8 +87,7 @@ class DecodeLinear(nn.Module):
         self.mkl_rows: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows <= PACKED_MAX_ROWS and rows not in self.mkl_rows:
+        if takes_packed(x, lambda: self.mkl_rows):
             return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 

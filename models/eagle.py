@@ -33,7 +33,7 @@ class EagleBase(Drafter):
         """Share the target's frozen embedding (and lm_head) by reference — not registered as
         submodules, so they are neither trained, wrapped by DDP/FSDP, nor checkpointed."""
         object.__setattr__(self, "_embed", target.embed_tokens)
-        object.__setattr__(self, "_target_lm_head", target.lm_head)
+        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
         self.to(device=target.device)
         return self
 

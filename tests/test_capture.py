@@ -117,6 +117,35 @@ def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
     assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
+def test_shared_lm_head_decodes_on_the_targets_packed_weights(tiny_llama):
+    """A drafter's shared lm_head (EAGLE-1's head): no-grad products of a few rows take the
+    target's packed lm_head, larger ones and any with grad take the plain weight (the packed
+    product has no backward); all equal the lm_head, and it is one object per target."""
+    from draftlab.models.cpu_gemm import PACKED_MAX_ROWS
+
+    target = tiny_llama
+    head = target.shared_lm_head
+    assert head is target.shared_lm_head and head.weight is target.lm_head.weight
+    assert not list(head.parameters())  # held by reference: nothing for a drafter to train or save
+    measured = target._mkl_rows()
+    target._small_mkl_rows = frozenset()  # force the packed path for 1..3 rows too
+    packed, rows = target._packed[-1]["lm_head"], []
+    target._packed[-1]["lm_head"] = lambda x: rows.append(x.shape[0]) or packed(x)
+    try:
+        x = torch.randn(PACKED_MAX_ROWS + 1, target.hidden_size)
+        with torch.no_grad():
+            for n in (1, 2, PACKED_MAX_ROWS + 1):
+                torch.testing.assert_close(head(x[:n]), target.lm_head(x[:n]), rtol=1e-5, atol=1e-5)
+        assert rows == [1, 2]
+        xg = x[:2].clone().requires_grad_(True)
+        head(xg).sum().backward()
+        torch.testing.assert_close(xg.grad, target.lm_head.weight.sum(0).expand(2, -1))
+        assert rows == [1, 2]
+    finally:
+        target._packed[-1]["lm_head"] = packed
+        target._small_mkl_rows = measured
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padded_batch_equals_unpadded_samples(tiny_llama, side):
     target = tiny_llama
