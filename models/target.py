@@ -188,7 +188,7 @@ class Target:
         ] + [{"lm_head": FusedLinear([model.lm_head])}]
         self._packed: list[dict[str, PackedLinear]] | None = None
         self._small_mkl_rows: frozenset[int] | None = None  # set by _mkl_rows on first use
-        self._shared_lm_head: SharedLMHead | None = None
+        self.shared_lm_head = SharedLMHead(self)  # the lm_head as drafters share it
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -249,13 +249,6 @@ class Target:
     @property
     def lm_head(self) -> torch.nn.Linear:
         return self.model.lm_head
-
-    @property
-    def shared_lm_head(self) -> "SharedLMHead":
-        """The lm_head as a drafter shares it (see :class:`SharedLMHead`)."""
-        if self._shared_lm_head is None:
-            self._shared_lm_head = SharedLMHead(self)
-        return self._shared_lm_head
 
     def layer_config(self):
         """The HF config a drafter's decoder layer copies (attention shape, MLP, RoPE, eps)."""
