@@ -549,7 +549,7 @@ def main(argv=None) -> int:
     tree = TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
     proposer = drafter = None
     if args.drafter:
-        from draftlab.train.checkpoint import load_drafter
+        from draftlab.checkpoint import load_drafter
 
         drafter, _ = load_drafter(args.drafter, target)
         proposer = drafter.proposer()

@@ -12,7 +12,7 @@ from draftlab.errors import DraftlabError
 # name -> (module, help)
 SUBCOMMANDS = {
     "capture": ("draftlab.data.capture", "capture target hidden states into offline shards"),
-    "train": ("draftlab.train.eagle", "train a drafter from a recipe YAML (same as train/eagle.py)"),
+    "train": ("draftlab.train.launch", "train a drafter of any family from a recipe YAML"),
     "eval": ("draftlab.inference.evaluate", "speculative decoding acceptance report (alpha_j, tau, speedup)"),
     "generate": ("draftlab.inference.generate", "interactive speculative generation with live acceptance"),
     "export": ("draftlab.export.cli", "export a checkpoint for vLLM, SGLang or HF"),
@@ -31,17 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     modules = {}
     for name in names:
         module_name, help_ = SUBCOMMANDS[name]
-        p = sub.add_parser(name, help=help_)
-        try:
-            modules[name] = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # stage not built in this version
-        modules[name].add_arguments(p)
+        modules[name] = importlib.import_module(module_name)
+        modules[name].add_arguments(sub.add_parser(name, help=help_))
     args = parser.parse_args(argv)
-    if args.command not in modules:
-        parser.error(f"'{args.command}' is not available in this version")
     try:
         return int(modules[args.command].run(args) or 0)
     except DraftlabError as e:

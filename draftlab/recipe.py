@@ -99,9 +99,9 @@ class Recipe(Strict):
 
     def algorithm_configs(self):
         """(algorithm class, validated drafter config, validated loss config)."""
-        from draftlab.models.drafter import get_algorithm
+        from draftlab.models.drafter import DRAFTERS
 
-        algo = get_algorithm(self.algorithm)
+        algo = DRAFTERS.get(self.algorithm, "algorithm")
         return algo, _validate(algo.Config, self.drafter, "drafter"), _validate(algo.Loss, self.loss, "loss")
 
     def fingerprint(self) -> str:

@@ -1,11 +1,78 @@
-"""Name-level entry points over the algorithm registry (``models/drafter.py``)."""
+"""Registries by name: drafter families, proposers, export formats and import formats.
+
+Each plug-in registers itself where it is defined (``@DRAFTERS.register`` on the drafter
+class, ``@PROPOSERS.register("eagle1", "eagle3")`` on its proposer, ...), so no shared module
+names a family. A lookup that misses imports the modules that define plug-ins once: every
+module of ``draftlab.models``, ``draftlab.inference`` and ``draftlab.export``, then the
+``draftlab.plugins`` entry points of installed packages (a third-party family ships its own
+modules and lists them there). A plug-in defined elsewhere, a test file for instance, is
+registered as soon as its module is imported.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata as md
+import pkgutil
+from typing import Callable, Generic, TypeVar
 
-def load_proposer(checkpoint_dir, target, min_confidence: float = 0.0):
-    """A checkpoint directory -> the proposer the speculative decoder drives."""
-    from draftlab.train.checkpoint import load_drafter
+from draftlab.errors import DraftlabError
 
-    drafter, _ = load_drafter(checkpoint_dir, target)
-    return drafter.proposer(min_confidence)
+T = TypeVar("T")
+PLUGIN_PACKAGES = ("draftlab.models", "draftlab.inference", "draftlab.export")
+ENTRY_POINT_GROUP = "draftlab.plugins"
+_discovered = False
+
+
+def discover() -> None:
+    """Import every module that may register a plug-in (once per process)."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    for package in PLUGIN_PACKAGES:
+        pkg = importlib.import_module(package)
+        for info in pkgutil.iter_modules(pkg.__path__):
+            importlib.import_module(f"{package}.{info.name}")
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        importlib.import_module(ep.value)
+
+
+class Registry(Generic[T]):
+    """Named objects of one kind; ``kind`` names them in errors ("drafter family", ...);
+    ``key`` is the attribute that names an object registered without explicit names."""
+
+    def __init__(self, kind: str, key: str = "name"):
+        self.kind, self.key = kind, key
+        self._items: dict[str, T] = {}
+
+    def register(self, *names: str) -> Callable[[T], T]:
+        """Decorator (or call) registering an object under ``names``, by default under its
+        ``key`` attribute."""
+
+        def add(obj: T) -> T:
+            for name in names or (getattr(obj, self.key),):
+                if name in self._items and self._items[name] is not obj:
+                    raise RuntimeError(f"{self.kind} '{name}' is registered twice")
+                self._items[name] = obj
+            return obj
+
+        return add
+
+    def get(self, name: str, where: str = "") -> T:
+        """The object registered as ``name``; a DraftlabError naming ``where`` (a field or flag)
+        and the known names otherwise."""
+        if name not in self._items:
+            discover()
+        if name not in self._items:
+            prefix = f"{where}: " if where else ""
+            raise DraftlabError(f"{prefix}unknown {self.kind} '{name}' (known: {', '.join(self.names()) or 'none'})")
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        discover()
+        return sorted(self._items)
+
+    def items(self) -> list[tuple[str, T]]:
+        discover()
+        return sorted(self._items.items())

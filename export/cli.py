@@ -1,15 +1,16 @@
-"""``draftlab export CKPT --to {vllm,sglang,hf} OUT [--target default]``."""
+"""``draftlab export CKPT --to ENGINE OUT [--target default]``; ENGINE is any engine a registered
+format serves (``export.formats.engines()``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from draftlab.export.formats import ENGINES
+from draftlab.export.formats import engines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="draftlab checkpoint directory (e.g. runs/x/checkpoints/step-0000500)")
-    p.add_argument("--to", required=True, choices=ENGINES, help="vllm: speculators/EAGLE format; sglang: SGLang layout; hf: draftlab layout")
+    p.add_argument("--to", required=True, choices=engines(), help="serving engine whose layout to write (hf: draftlab's own layout)")
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--target", default="default", help="the target the checkpoint was trained for (HF dir, hub id, .gguf, 'default')")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="written into serving configs; default: the recipe's eval.k, else 3")
@@ -22,7 +23,7 @@ def run(args) -> int:
     from draftlab.errors import DraftlabError
     from draftlab.export.exporter import default_speculative_tokens, export_checkpoint
     from draftlab.export.formats import ExportOptions
-    from draftlab.train.checkpoint import read_meta
+    from draftlab.checkpoint import read_meta
 
     k = args.num_speculative_tokens
     if k is None:

@@ -28,7 +28,8 @@ class DraftlabLayout(Format):
         }
 
     def save(self, tmp, drafter, target, meta, opts: ExportOptions) -> None:
-        from draftlab.train.checkpoint import save_weights, write_json
+        from draftlab.atomic import write_json
+        from draftlab.checkpoint import save_weights
 
         if opts.dtype:
             raise DraftlabError("--dtype: --to hf keeps the stored dtype (draftlab casts to the target's dtype on load)")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-from draftlab.export.formats import ENGINES, ExportOptions, export_format
+from draftlab.export.formats import ExportOptions, engines, export_format
 
 
 def default_speculative_tokens(meta: dict) -> int:
@@ -31,12 +30,13 @@ def export_checkpoint(checkpoint, engine: str, out, target="default", opts: Expo
     """Write ``checkpoint`` (a draftlab checkpoint directory) as ``engine``'s layout to ``out``
     atomically, with a model card. ``target`` is a spec string or a loaded ``Target``; a
     checkpoint trained for another target is refused."""
+    from draftlab import atomic
+    from draftlab.checkpoint import load_drafter, read_meta
     from draftlab.export.model_card import render
-    from draftlab.train.checkpoint import load_drafter, publish, read_meta, staging_dir
 
     checkpoint, out = Path(checkpoint), Path(out)
-    if engine not in ENGINES:
-        raise DraftlabError(f"--to: unknown engine '{engine}' (choose from {', '.join(ENGINES)})")
+    if engine not in engines():
+        raise DraftlabError(f"--to: unknown engine '{engine}' (choose from {', '.join(engines())})")
     check_out_dir(out, overwrite)
     meta = read_meta(checkpoint)
     fmt = export_format(engine, meta["algorithm"])
@@ -45,14 +45,8 @@ def export_checkpoint(checkpoint, engine: str, out, target="default", opts: Expo
     drafter, meta = load_drafter(checkpoint, target)
     meta = {**meta, "drafter": drafter.export_meta()}  # the weights are written in export form
     fmt.check_exportable(drafter, target)
-    tmp = staging_dir(out)
-    try:
+    with atomic.directory(out) as tmp:
         fmt.save(tmp, drafter, target, meta, opts)
         config = json.loads((tmp / "config.json").read_text())
-        card = render(meta, fmt, drafter, config, engine, str(out), str(checkpoint), opts)
-        (tmp / "README.md").write_text(card)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / "README.md").write_text(render(meta, fmt, drafter, config, engine, str(out), str(checkpoint), opts))
     return out

@@ -2,9 +2,9 @@
 
 A :class:`Format` is one (algorithm, layout) pair: a table of tensor-name prefix renames, the
 tensors the layout wants that draftlab does not store (``extra_tensors``), a config builder
-(``export_config``) and its inverse (``import_meta``). Formats are registered by name for
-``draftlab import --format`` and by (engine, algorithm) for ``draftlab export --to``, so a new
-drafter (Medusa -> vLLM ``MedusaModel``, DFlash) is one more module with one more entry.
+(``export_config``) and its inverse (``import_meta``). Each mapping module calls
+:func:`register` on its formats: by name for ``draftlab import --format`` and by (engine,
+algorithm) for ``draftlab export --to``, so a new drafter family's layouts are its own module.
 
 Strictness is the point: the set of tensor names a format produces and accepts is computed
 from the drafter itself (its ``export_state_dict``) plus the declared extras, and anything
@@ -21,11 +21,12 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from draftlab.atomic import write_json
 from draftlab.errors import DraftlabError
+from draftlab.registry import Registry, discover
 
-FORMATS: dict[str, "Format"] = {}  # import name -> format
+IMPORT_FORMATS: Registry["Format"] = Registry("import format")  # `draftlab import --format` name -> format
 EXPORTS: dict[tuple[str, str], "Format"] = {}  # (engine, algorithm) -> format
-ENGINES = ("vllm", "sglang", "hf")
 
 
 class ExportOptions(BaseModel):
@@ -37,20 +38,22 @@ class ExportOptions(BaseModel):
 
 
 def register(fmt: "Format") -> "Format":
+    """Register a format instance, in the module that defines it."""
     if fmt.name:
-        FORMATS[fmt.name] = fmt
+        IMPORT_FORMATS.register(fmt.name)(fmt)
     for engine in fmt.engines:
         EXPORTS[(engine, fmt.algorithm)] = fmt
     return fmt
 
 
-def _load_all() -> None:
-    # importing the mapping modules registers them
-    from draftlab.export import draftlab_layout, eagle, sglang, speculators  # noqa: F401
+def engines() -> list[str]:
+    """Every ``draftlab export --to`` value some registered format serves."""
+    discover()
+    return sorted({engine for engine, _ in EXPORTS})
 
 
 def export_format(engine: str, algorithm: str) -> "Format":
-    _load_all()
+    discover()
     fmt = EXPORTS.get((engine, algorithm)) or EXPORTS.get((engine, "*"))
     if fmt is None:
         known = sorted(e for e, a in EXPORTS if a in (algorithm, "*"))
@@ -59,10 +62,7 @@ def export_format(engine: str, algorithm: str) -> "Format":
 
 
 def import_format(name: str) -> "Format":
-    _load_all()
-    if name not in FORMATS:
-        raise DraftlabError(f"--format: unknown format '{name}' (known: {', '.join(sorted(FORMATS))})")
-    return FORMATS[name]
+    return IMPORT_FORMATS.get(name, "--format")
 
 
 def rename(name: str, rules) -> str:
@@ -109,8 +109,6 @@ class Format:
     def save(self, tmp: Path, drafter, target, meta: dict, opts: ExportOptions) -> None:
         """Write the layout's files (weights + config.json) into the staging directory."""
         from safetensors.torch import save_file
-
-        from draftlab.train.checkpoint import write_json
 
         state = self.export_state(drafter, target)
         if opts.dtype:
@@ -214,39 +212,54 @@ def serving_aux_ids(aux: list[int], num_target_layers: int, what: str) -> None:
         )
 
 
-def read_config(src: Path) -> dict:
-    f = src / "config.json"
+def read_json_file(f: Path) -> dict:
+    """A JSON object from ``f``; a missing, unreadable or non-object file is a one-line error."""
     if not f.is_file():
-        raise DraftlabError(f"{src}: no config.json")
+        raise DraftlabError(f"{f}: missing")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftlabError(f"{f}: invalid JSON ({e.msg})") from None
+        obj = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftlabError(f"{f}: invalid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(obj, dict):
+        raise DraftlabError(f"{f}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_config(src: Path) -> dict:
+    return read_json_file(src / "config.json")
 
 
 def read_tensors(src: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: model.safetensors, sharded safetensors (index),
     or pytorch_model.bin (read with ``weights_only=True``: tensors only, no code)."""
-    from safetensors.torch import load_file
+    from draftlab.checkpoint import read_weights
 
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_file(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise DraftlabError(f"{index}: no weight_map")
         out: dict[str, torch.Tensor] = {}
-        for s in shards:
-            out.update(load_file(src / s))
+        for s in sorted(set(weight_map.values())):
+            out.update(read_weights(src / s))
         return out
     if (src / "model.safetensors").is_file():
-        return load_file(src / "model.safetensors")
+        return read_weights(src / "model.safetensors")
     if (src / "pytorch_model.bin").is_file():
-        try:
-            state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling refusal is a user-file problem
-            raise DraftlabError(f"{src / 'pytorch_model.bin'}: not a plain tensor dict ({str(e).splitlines()[0]})") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise DraftlabError(f"{src / 'pytorch_model.bin'}: not a plain name -> tensor dict")
-        return state
+        return read_torch_tensors(src / "pytorch_model.bin")
     raise DraftlabError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def read_torch_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A pickled name -> tensor dict, read with ``torch.load(weights_only=True)``: tensors
+    only, no code; anything else (or a truncated file) is a one-line error."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling refusal is a user-file problem
+        raise DraftlabError(f"{path}: not a plain tensor dict ({str(e).splitlines()[0]})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise DraftlabError(f"{path}: not a plain name -> tensor dict")
+    return state
 
 
 def check_embedding(tensors: dict, target, where: str) -> None:

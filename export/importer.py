@@ -1,5 +1,6 @@
-"""``draftlab import SRC --format {speculators,sglang,eagle} --target default OUT``: a public
-drafter -> a draftlab checkpoint (evaluate it, fine-tune it, re-export it).
+"""``draftlab import SRC --format NAME --target default OUT``: a public drafter -> a draftlab
+checkpoint (evaluate it, fine-tune it, re-export it). ``NAME`` is any registered import format
+(``export.formats.IMPORT_FORMATS``).
 
 Each format's inverse mapping renames the tensors; the result must match the rebuilt drafter's
 state dict *exactly*: a missing or unknown tensor is an error naming it, never skipped.
@@ -8,7 +9,6 @@ state dict *exactly*: a missing or unknown tensor is an error naming it, never s
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
@@ -24,10 +24,11 @@ def _names(names: list[str]) -> str:
 def import_checkpoint(src, format_name: str, out, target="default", overwrite: bool = False) -> Path:
     """Convert the ``format_name`` checkpoint directory ``src`` for ``target`` (a spec or a
     loaded ``Target``) into a draftlab checkpoint at ``out`` (written atomically)."""
+    from draftlab import atomic
+    from draftlab.checkpoint import checkpoint_meta, save_weights
     from draftlab.export.exporter import check_out_dir, load_target
     from draftlab.export.formats import check_embedding, import_format, read_config, read_tensors
-    from draftlab.models.drafter import get_algorithm
-    from draftlab.train.checkpoint import checkpoint_meta, publish, save_weights, staging_dir
+    from draftlab.models.drafter import DRAFTERS
 
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -47,7 +48,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     where = f"{src} ({format_name})"
     check_embedding(tensors, target, where)
     dmeta = fmt.import_meta(config, tensors, target)
-    drafter = get_algorithm(fmt.algorithm).from_meta(dmeta, target)
+    drafter = DRAFTERS.get(fmt.algorithm).from_meta(dmeta, target)
     expected = drafter.export_state_dict()
     missing = sorted(fmt.to_format(k) for k in set(expected) - set(tensors))
     unknown = sorted(fmt.to_format(k) for k in set(tensors) - set(expected))
@@ -61,19 +62,16 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
 
     meta = checkpoint_meta(drafter, target.identity, recipe=None, step=0)
     meta["imported_from"] = {"format": format_name, "path": str(src)}
-    tmp = staging_dir(out)
-    try:
+    with atomic.directory(out) as tmp:
         save_weights(tmp, drafter.export_state_dict(), meta)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="directory of a public drafter (config.json + safetensors / pytorch_model.bin)")
-    p.add_argument("--format", required=True, choices=["speculators", "sglang", "eagle"], help="layout of SRC")
+    from draftlab.export.formats import IMPORT_FORMATS
+
+    p.add_argument("--format", required=True, choices=IMPORT_FORMATS.names(), help="layout of SRC")
     p.add_argument("--target", default="default", help="the target the drafter belongs to (HF dir, hub id, .gguf, 'default')")
     p.add_argument("out", help="output draftlab checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")

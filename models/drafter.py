@@ -1,14 +1,12 @@
-"""The drafter interface every algorithm implements, and the registry of algorithms by name.
+"""The drafter contract: what the shared trainer, checkpoint reader and exporter ask of a family.
 
-A drafter is an ``nn.Module`` that knows
-* which target hidden states it reads (``capture_layers``) and how it turns them into its
-  input features (``features``),
-* its training objective on a captured batch (``training_loss``; the math lives in ``losses/``),
-* one inference step over a KV cache (``draft_step``), used by its proposer in ``inference/``,
-* its configuration (a pydantic model) so a checkpoint can rebuild it.
+A drafter family is a ``Drafter`` subclass registered by name (``@DRAFTERS.register()``, under
+its ``algorithm``) in its own module, plus what it registers elsewhere in its own files: a
+proposer for the decoder (``inference.proposer.PROPOSERS``, same name, which also declares the
+decoding shapes the family supports), export and import formats (``export.formats``) and a thin
+``train/<family>.py`` entry point. Nothing shared names a family.
 
-Adding an algorithm (Medusa, diffusion) = a module in ``models/`` with a ``Drafter`` subclass
-decorated with ``@register``, its loss in ``losses/``, a proposer, and export mappings.
+Shapes below: B batch rows, T positions, H the target's hidden size, V the target's vocabulary.
 """
 
 from __future__ import annotations
@@ -19,84 +17,72 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel
 
-from draftlab.errors import DraftlabError
+from draftlab.registry import Registry
 
-ALGORITHMS: dict[str, type["Drafter"]] = {}
-
-
-def register(cls: type["Drafter"]) -> type["Drafter"]:
-    ALGORITHMS[cls.algorithm] = cls
-    return cls
-
-
-def get_algorithm(name: str) -> type["Drafter"]:
-    import draftlab.models.eagle  # noqa: F401  (registers eagle1/eagle3)
-
-    if name not in ALGORITHMS:
-        raise DraftlabError(f"unknown algorithm '{name}' (known: {', '.join(sorted(ALGORITHMS))})")
-    return ALGORITHMS[name]
+DRAFTERS: Registry[type["Drafter"]] = Registry("drafter family", key="algorithm")
 
 
 class Drafter(nn.Module):
-    algorithm: ClassVar[str]
-    Config: ClassVar[type[BaseModel]]  # drafter architecture (recipe section `drafter:`)
-    Loss: ClassVar[type[BaseModel]]  # objective knobs (recipe section `loss:`)
+    algorithm: ClassVar[str]  # registry name; the recipe's ``algorithm`` and the checkpoint's
+    Config: ClassVar[type[BaseModel]]  # architecture knobs (recipe section ``drafter:``)
+    Loss: ClassVar[type[BaseModel]]  # objective knobs (recipe section ``loss:``)
+    # State-dict key prefixes the checkpoint may lack because construction derives them
+    # (RoPE tables, say); any other missing key is an error.
+    derived_keys: ClassVar[tuple[str, ...]] = ()
 
-    # ---- construction -------------------------------------------------------
+    # ---- construction ---------------------------------------------------------------
     @classmethod
-    def build(cls, cfg: BaseModel, target, token_counts: torch.Tensor | None = None) -> "Drafter":
-        """A fresh drafter for ``target``; ``token_counts`` (target-vocab frequencies over
-        loss-masked tokens) lets drafters with a reduced vocabulary choose it."""
+    def default_capture_layers(cls, num_target_layers: int) -> list[int]:
+        """The target hidden-state indices (convention of ``models/target.py``) a drafter of
+        this family reads by default: what ``draftlab capture --layers <algorithm>`` stores."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, cfg: BaseModel, target, samples: list[dict]) -> "Drafter":
+        """A fresh drafter for ``target`` (a ``models.target.Target``), from its validated
+        ``Config``. ``samples`` are the training samples (dicts with ``input_ids`` and
+        ``loss_mask``, Long/Bool [T]): what a family measures before training (token counts
+        for a reduced vocabulary, feature scales). The result shares the target's frozen
+        weights by reference, never as registered parameters."""
         raise NotImplementedError
 
     @classmethod
     def from_meta(cls, meta: dict, target) -> "Drafter":
-        """Rebuild (without weights) from the ``drafter`` section of a checkpoint's JSON."""
+        """Rebuild (weights uninitialised) from ``meta()``'s JSON, next to ``target``."""
         raise NotImplementedError
 
     def meta(self) -> dict:
-        """Everything ``from_meta`` needs (JSON-serialisable)."""
+        """JSON-serialisable: everything ``from_meta`` needs to rebuild this drafter."""
         raise NotImplementedError
 
-    # ---- data the drafter reads ----------------------------------------------
+    # ---- what it reads from the target ------------------------------------------------
     @property
     def capture_layers(self) -> list[int]:
+        """Target hidden-state indices ``training_loss`` and the proposer read (ascending)."""
         raise NotImplementedError
 
-    def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+    def derived_targets(self, hidden: dict[int, torch.Tensor], batch: dict) -> dict[str, torch.Tensor]:
+        """Per-position tensors [B, T, ...] computed from the capture that are the same in every
+        epoch (e.g. the target's full-vocab argmax). ``hidden`` maps each of ``capture_layers``
+        to [B, T, H]; ``batch`` holds ``input_ids``, ``loss_mask`` and ``attention_mask``
+        [B, T]. The feature source adds them to the batch and, with ``capture.mode: memory``,
+        caches them beside the hidden states. Values at padded positions are unspecified.
+        Default: none."""
+        return {}
 
-    # ---- training ---------------------------------------------------------------
+    # ---- training ------------------------------------------------------------------------
     def forward(self, batch: dict, hidden: dict[int, torch.Tensor], loss_cfg: BaseModel):
         # DDP/FSDP synchronise through forward(), so training goes through it.
         return self.training_loss(batch, hidden, loss_cfg)
 
     def training_loss(self, batch: dict, hidden: dict[int, torch.Tensor], loss_cfg: BaseModel):
-        """-> (loss scalar, metrics dict of floats/lists). ``batch`` has input_ids, loss_mask,
-        attention_mask [B, T] and, when the trainer supplies them, the ``derived_targets``;
-        ``hidden`` the captured target states for ``capture_layers``."""
+        """-> (loss scalar tensor, metrics). ``batch``: ``input_ids``, ``loss_mask``,
+        ``attention_mask`` [B, T] (right-padded) plus the ``derived_targets``; ``hidden``: as
+        in ``derived_targets``; ``loss_cfg``: the validated ``Loss``. Metrics are floats or
+        lists of floats (per position or head); an ``acc`` list is shown in the progress bar."""
         raise NotImplementedError
 
-    def derived_targets(self, hidden: dict[int, torch.Tensor], batch: dict) -> dict[str, torch.Tensor]:
-        """Per-position tensors [B, T, ...] computed from the capture that are the same in every
-        epoch (e.g. the target's full-vocab argmax). The trainer adds them to ``batch`` and, with
-        ``capture.mode: memory``, caches them beside the hidden states so they are computed once
-        per sample. Values at padded positions are unspecified. Default: none."""
-        return {}
-
-    # ---- inference ----------------------------------------------------------------
-    def draft_step(self, tokens, feats, positions, cache, mask=None):
-        """-> (next features [B, n, H], log-probs over the *target* vocab [B, n, V])."""
-        raise NotImplementedError
-
-    def new_cache(self):
-        raise NotImplementedError
-
-    def proposer(self, min_confidence: float = 0.0):
-        """The inference-side view of this drafter (an ``inference.proposer.Proposer``);
-        ``min_confidence`` > 0 lets a chain stop early where the drafter is unsure."""
-        raise NotImplementedError
-
+    # ---- export --------------------------------------------------------------------------
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in their plain published form: training-only reparametrisations folded
         in (frozen target-owned weights are never part of a drafter)."""

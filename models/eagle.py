@@ -15,12 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draftlab.errors import DraftlabError
 from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
-from draftlab.models.drafter import Drafter, register
+from draftlab.models.drafter import DRAFTERS, Drafter
 from draftlab.models.layers import DecoderLayer, DraftKVCache, LayerShape, RMSNorm, Rotary, ttt_attention
 
 
 class EagleBase(Drafter):
     """What EAGLE-1 and EAGLE-3 share: layer stack, RoPE, cached inference step, target refs."""
+
+    derived_keys = ("rotary.",)  # RoPE tables are rebuilt from the layer shape
 
     def __init__(self, shape: LayerShape, vocab_size: int, num_layers: int, first_layer: DecoderLayer):
         super().__init__()
@@ -71,11 +73,6 @@ class EagleBase(Drafter):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
-    def proposer(self, min_confidence: float = 0.0):
-        from draftlab.inference.eagle import EagleProposer
-
-        return EagleProposer(self, min_confidence)
-
     def head(self, h):
         raise NotImplementedError
 
@@ -88,7 +85,7 @@ class Eagle3Config(BaseModel):
 
     num_layers: int = Field(1, ge=1)
     draft_vocab_size: int = Field(8192, ge=0, description="0 = the full target vocabulary")
-    aux_layers: list[int] | None = Field(None, description="hidden-state indices to fuse; default [2, L//2, L-3]")
+    aux_layers: list[int] | None = Field(None, description="hidden-state indices to fuse; default [2, L//2, L-3] (default_aux_layers)")
     init_lm_head_from_target: bool = Field(True, description="start lm_head from the target's rows of the draft vocab")
     normalize_fc_input: bool = Field(
         True,
@@ -108,7 +105,7 @@ class Eagle3Loss(BaseModel):
     )
 
 
-@register
+@DRAFTERS.register()
 class Eagle3Drafter(EagleBase):
     algorithm = "eagle3"
     Config = Eagle3Config
@@ -134,12 +131,23 @@ class Eagle3Drafter(EagleBase):
         self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
 
     # ---- construction -------------------------------------------------------
+    @staticmethod
+    def default_aux_layers(num_target_layers: int) -> list[int]:
+        """Low, mid and high features: the inputs of decoder layers 2, L//2 and L-3 (the EAGLE
+        reference code and speculators; SpecForge's ids are one lower, see export/eagle3_sglang.py)."""
+        L = num_target_layers
+        return [2, L // 2, L - 3]
+
+    @classmethod
+    def default_capture_layers(cls, num_target_layers: int) -> list[int]:
+        return cls.default_aux_layers(num_target_layers) + [num_target_layers]
+
     @classmethod
     def build(cls, cfg: Eagle3Config, target, samples=None) -> "Eagle3Drafter":
         from draftlab.data.vocab import build_draft_vocab
 
         L, V = target.num_layers, target.vocab_size
-        aux = cfg.aux_layers or target.eagle3_layers()
+        aux = cfg.aux_layers or cls.default_aux_layers(L)
         for i in aux:
             if not 0 <= i <= L:
                 raise DraftlabError(f"drafter.aux_layers: {i} is outside 0..{L} for this target")
@@ -325,7 +333,7 @@ class Eagle1Loss(BaseModel):
     feature_noise: float = Field(0.1, ge=0, description="uniform U(-a, a) noise on input features")
 
 
-@register
+@DRAFTERS.register()
 class Eagle1Drafter(EagleBase):
     algorithm = "eagle1"
     Config = Eagle1Config
@@ -336,6 +344,10 @@ class Eagle1Drafter(EagleBase):
         H = shape.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.num_target_layers = None
+
+    @classmethod
+    def default_capture_layers(cls, num_target_layers: int) -> list[int]:
+        return [num_target_layers]
 
     @classmethod
     def build(cls, cfg: Eagle1Config, target, samples=None) -> "Eagle1Drafter":

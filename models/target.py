@@ -7,8 +7,8 @@ chosen hidden states, the final norm, the lm_head and a truncatable KV cache.
 Layer index convention (the same as HF ``output_hidden_states``):
 ``hidden_states[0]`` is the embedding output, ``hidden_states[i]`` (1 <= i < L) is the
 output of decoder layer ``i-1`` (= the input of layer ``i``), and ``hidden_states[L]``
-is the output of the last layer *after* the final norm. EAGLE-1's feature is
-``hidden_states[L]``; EAGLE-3 fuses ``hidden_states[2], [L//2], [L-3]``.
+is the output of the last layer *after* the final norm. Each drafter family says which it reads
+(``Drafter.capture_layers``).
 
 Supported families: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm per head).
 A new family should only need changes in :meth:`Target._layer` here.
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
 from draftlab.models.cpu_gemm import PACKED_MAX_ROWS, PackedLinear, mkl_faster_rows, packing_available, takes_packed
+from draftlab.models.layers import rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -254,12 +255,6 @@ class Target:
         """The HF config a drafter's decoder layer copies (attention shape, MLP, RoPE, eps)."""
         return self.config
 
-    def eagle3_layers(self) -> list[int]:
-        """EAGLE-3 low/mid/high features in the hidden_states convention above:
-        inputs of decoder layers 2, L//2 and L-3 (the reference code and speculators)."""
-        L = self.num_layers
-        return [2, L // 2, L - 3]
-
     # ------------------------------------------------------------------ forward
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         c = self.config
@@ -279,15 +274,13 @@ class Target:
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         logits: str | None = "all",
-        attention_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run the target over ``input_ids`` [B, T].
 
         * ``layers``: hidden-state indices to return (convention in the module docstring).
         * ``cache``: KV cache; the new keys go to slots ``cache.length..+T`` and it grows by T.
-        * ``attn_mask``: bool [B or 1, T, cache.length + T], True = may attend (tree verify).
-          Default is causal over the cache plus the new tokens.
-        * ``attention_mask``: [B, T] padding mask (1 = real token) for batched capture without a cache.
+        * ``attn_mask``: bool [B or 1, T, cache.length + T], True = may attend (tree verify,
+          left-padded capture). Default is causal over the cache plus the new tokens.
         * ``logits``: "all", "last" or None.
         """
         B, T = input_ids.shape
@@ -298,10 +291,8 @@ class Target:
         cos, sin = self._backbone.rotary_emb(x, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         mask = attn_mask
-        if mask is None and (past > 0 or attention_mask is not None) and T > 1:
+        if mask is None and past > 0 and T > 1:
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)[None]
-            if attention_mask is not None:
-                mask = mask & attention_mask.bool()[:, None, :]
         if mask is not None:
             mask = mask[:, None]  # broadcast over heads
         wanted = set(layers)
@@ -361,7 +352,7 @@ class Target:
         v = v.reshape(B, T, -1, attn.head_dim).transpose(1, 2)
         if self._qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         if cache is not None:
             cache.k[i, :, :, past : past + T] = k
             cache.v[i, :, :, past : past + T] = v
@@ -458,11 +449,3 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftlab.train import checkpoint as ckpt
+from draftlab import checkpoint as ckpt
 from test_train import REPO, chat_file, run_train, write_recipe  # noqa: F401  (chat_file is a fixture)
 
 STEPS = 4  # checkpoints at 2 and 4; the killed run dies right after the step-2 checkpoint

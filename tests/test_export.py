@@ -26,7 +26,7 @@ from draftlab.export.importer import import_checkpoint
 from draftlab.losses.eagle import shift_left
 from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
 from draftlab.models.target import Target
-from draftlab.train import checkpoint as ckpt
+from draftlab import checkpoint as ckpt
 
 ATOL = 1e-5
 STEPS = 3  # TTT steps compared
@@ -184,7 +184,7 @@ def test_specforge_model_loads_sglang_export_and_matches(rope_llama, tmp_path, m
     config = json.loads((out / "config.json").read_text())
     L = target.num_layers
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in d.aux_layers]  # SGLang: id+1
-    assert [i - 1 for i in target.eagle3_layers()] == [1, L // 2 - 1, L - 4]  # = SpecForge's default
+    assert [i - 1 for i in Eagle3Drafter.default_aux_layers(target.num_layers)] == [1, L // 2 - 1, L - 4]  # = SpecForge's default
 
     m = sf.LlamaForCausalLMEagle3(LlamaConfig(**config)).eval()
     exported = load_file(out / "model.safetensors")
@@ -334,7 +334,7 @@ def test_import_reads_pytorch_model_bin_and_sglang_default_aux(tiny_llama, tmp_p
     del config["eagle_config"]
     (out / "config.json").write_text(json.dumps(config))
     _, meta = ckpt.load_drafter(import_checkpoint(out, "sglang", tmp_path / "i3", tiny_llama), tiny_llama)
-    assert meta["drafter"]["aux_layers"] == tiny_llama.eagle3_layers()
+    assert meta["drafter"]["aux_layers"] == Eagle3Drafter.default_aux_layers(tiny_llama.num_layers)
 
 
 def test_import_checks_the_embedding_belongs_to_the_target(tiny_llama, tmp_path):

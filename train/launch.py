@@ -1,8 +1,12 @@
-"""From a recipe path to a finished run; the thin entry points (train/eagle.py, later
-train/medusa.py and train/diffusion.py) all call :func:`train_from_recipe`."""
+"""From a recipe path to a finished run, for every drafter family.
+
+``draftlab train RECIPE [dotted.key=value ...]`` dispatches on the recipe's ``algorithm``; each
+family's ``train/<family>.py`` is a thin script for ``accelerate launch`` that calls
+:func:`entry_point` with the algorithms it trains."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -14,7 +18,8 @@ import torch
 from draftlab.errors import DraftlabError
 
 
-def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ...]) -> dict:
+def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ...] = ()) -> dict:
+    """Train the recipe at ``path``; ``algorithms``, when given, are the only ones accepted."""
     from draftlab.data.dataset import build_samples
     from draftlab.models.target import Target
     from draftlab.recipe import load_recipe
@@ -22,7 +27,7 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     from draftlab.train.trainer import Trainer, make_accelerator, seed_everything
 
     recipe = load_recipe(path, overrides)
-    if recipe.algorithm not in algorithms:
+    if algorithms and recipe.algorithm not in algorithms:
         raise DraftlabError(f"{path}: algorithm '{recipe.algorithm}' is not trained by this entry point (use one of {algorithms})")
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
 
@@ -66,6 +71,30 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=20")
+
+
+def run(args, algorithms: tuple[str, ...] = ()) -> int:
+    train_from_recipe(args.recipe, args.overrides, algorithms)
+    return 0
+
+
+def entry_point(prog: str, algorithms: tuple[str, ...], description: str) -> None:
+    """``accelerate launch train/<family>.py RECIPE [overrides]``: train, then leave through
+    :func:`exit_process` with 0, or 2 after a one-line error."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args()
+    try:
+        rc = run(args, algorithms)
+    except DraftlabError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        rc = 2
+    exit_process(rc)
 
 
 def exit_process(rc: int) -> None:

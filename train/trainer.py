@@ -31,7 +31,9 @@ from tqdm.auto import tqdm
 
 from draftlab.data.dataset import batches_by_tokens, collate
 from draftlab.errors import DraftlabError
-from draftlab.train import checkpoint as ckpt
+from draftlab import checkpoint as ckpt
+from draftlab.atomic import publish, write_json
+from draftlab.train.optimizer_state import load_zero_optimizer, save_zero_optimizer
 
 
 def make_accelerator():
@@ -150,7 +152,7 @@ class Trainer:
     def __init__(self, recipe, accelerator, target, drafter, loss_cfg, train_samples, evaluate=None, offline=None):
         """``evaluate(checkpoint_dir) -> dict | None`` runs after each checkpoint on the main
         process (acceptance report); ``offline`` is an OfflineDataset when capture.mode is offline."""
-        self.r, self.acc, self.target = recipe, accelerator, target
+        self.recipe, self.accelerator, self.target = recipe, accelerator, target
         self.loss_cfg = loss_cfg
         self.samples = train_samples
         self.evaluate = evaluate
@@ -201,8 +203,8 @@ class Trainer:
     def _configure_deepspeed(self) -> int:
         """The recipe owns accumulation and clipping: a DeepSpeed JSON may leave them "auto" (filled in here)
         or repeat them, never contradict them. Returns the ZeRO stage."""
-        t = self.r.train
-        plugin = self.acc.state.deepspeed_plugin
+        t = self.recipe.train
+        plugin = self.accelerator.state.deepspeed_plugin
         cfg = plugin.deepspeed_config
         for key, want, field in (
             ("gradient_accumulation_steps", t.grad_accum, "train.grad_accum"),
@@ -222,11 +224,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        return batches_by_tokens(self.samples, self.r.train.batch_tokens, self.r.seed, epoch)
+        return batches_by_tokens(self.samples, self.recipe.train.batch_tokens, self.recipe.seed, epoch)
 
     def micro_batches(self, start_step: int):
         """Yield (epoch, indices) for this rank, from the micro-batch after ``start_step`` steps."""
-        per_step = self.r.train.grad_accum
+        per_step = self.recipe.train.grad_accum
         pos = start_step * per_step  # this rank's micro-batch position, a pure function of the step
         epoch, idx = divmod(pos, self.batches_per_epoch)
         while True:
@@ -240,7 +242,7 @@ class Trainer:
         """-> (hidden states {layer: [B, T, H]}, ``batch`` plus the drafter's derived targets).
         With ``capture.mode: memory`` both are computed once per sample and reused afterwards.
         Per-sample rows are zero-padded to the batch's T, the longest sample's length (``collate``)."""
-        mode = self.r.capture.mode
+        mode = self.recipe.capture.mode
         if mode == "memory" and all(i in self.memory_cache for i in indices):
             cached = [self.memory_cache[i] for i in indices]
             hidden = {layer: pad_sequence([h[layer] for h, _ in cached], batch_first=True) for layer in self.layers}
@@ -269,11 +271,11 @@ class Trainer:
         """All ranks call this; rank files first, then the main process publishes atomically."""
         final = ckpt.step_dir(self.run_dir, self.step)
         tmp_name = self.run_dir / "checkpoints" / f".staging-{self.step:07d}"
-        if self.acc.is_main_process:
+        if self.accelerator.is_main_process:
             shutil.rmtree(tmp_name, ignore_errors=True)
             (tmp_name / "trainer").mkdir(parents=True)
-        self.acc.wait_for_everyone()
-        ckpt.write_json(
+        self.accelerator.wait_for_everyone()
+        write_json(
             tmp_name / "trainer" / f"rng-rank{self.rank}.json",
             {
                 "torch": torch.get_rng_state().tolist(),
@@ -282,7 +284,7 @@ class Trainer:
             },
         )
         # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights); the main process writes.
-        state = self.acc.get_state_dict(self.model)
+        state = self.accelerator.get_state_dict(self.model)
         if self.opt_layout == "fsdp":
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -290,21 +292,21 @@ class Trainer:
         elif self.opt_layout == "torch":
             opt_state = self.opt.state_dict()
         else:  # ZeRO partitions the optimizer state: each rank writes its own part
-            ckpt.save_zero_optimizer(tmp_name / "trainer", self.rank, self.model.optimizer, self.sched)
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            drafter = self.acc.unwrap_model(self.model)
-            meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.r.model_dump(mode="json"), self.step, metrics)
+            save_zero_optimizer(tmp_name / "trainer", self.rank, self.model.optimizer, self.sched)
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            drafter = self.accelerator.unwrap_model(self.model)
+            meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
             ckpt.save_weights(tmp_name, state, meta)
             if self.zero_stage is None:
                 torch.save({"optimizer": opt_state, "scheduler": self.sched.state_dict()}, tmp_name / "trainer" / "optimizer.pt")
-            ckpt.write_json(
+            write_json(
                 tmp_name / "trainer" / "state.json",
                 {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_layout,
-                 "fingerprint": self.r.fingerprint(), "best_tau": self.best_tau},
+                 "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
             )
-            ckpt.publish(tmp_name, final)
-        self.acc.wait_for_everyone()
+            publish(tmp_name, final)
+        self.accelerator.wait_for_everyone()
         return final
 
     def resume(self) -> None:
@@ -316,7 +318,7 @@ class Trainer:
         if not state_file.is_file():
             raise DraftlabError(f"{last}: checkpoint has no trainer state (cannot resume); use a new output_dir")
         state = json.loads(state_file.read_text())
-        if state["fingerprint"] != self.r.fingerprint():
+        if state["fingerprint"] != self.recipe.fingerprint():
             raise DraftlabError(
                 f"output_dir {self.run_dir} holds a run of a different recipe; use a new output_dir or the same recipe"
             )
@@ -328,7 +330,7 @@ class Trainer:
             )
         drafter, _ = ckpt.load_drafter(last, self.target, dtype=torch.float32)
         weights = drafter.state_dict()
-        module = self.acc.unwrap_model(self.model)
+        module = self.accelerator.unwrap_model(self.model)
         if self.opt_layout == "torch":
             module.load_state_dict(weights)
             opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
@@ -347,7 +349,7 @@ class Trainer:
                 module.load_state_dict({k: v for k, v in weights.items() if k not in params}, strict=False)
             else:  # the replicated parameters the next forward uses; the master copies come from the ZeRO state
                 module.load_state_dict(weights)
-            ckpt.load_zero_optimizer(last / "trainer", self.rank, self.world, self.model.optimizer, self.sched)
+            load_zero_optimizer(last / "trainer", self.rank, self.world, self.model.optimizer, self.sched)
         rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
         if state["world_size"] == self.world and rng_file.is_file():
             rng = json.loads(rng_file.read_text())
@@ -355,15 +357,15 @@ class Trainer:
             random.setstate(_py_rng_from_json(rng["python"]))
             np.random.set_state(_np_rng_from_json(rng["numpy"]))
         self.step, self.elapsed, self.best_tau = state["step"], state["elapsed_s"], state.get("best_tau")
-        if self.acc.is_main_process:
+        if self.accelerator.is_main_process:
             print(f"resumed from {last} (step {self.step})", flush=True)
 
     def prune(self) -> None:
         """Keep the last ``keep_last`` checkpoints plus the best by acceptance (tau)."""
-        if not self.acc.is_main_process:
+        if not self.accelerator.is_main_process:
             return
         found = ckpt.list_checkpoints(self.run_dir)
-        for p in found[: -self.r.train.keep_last]:
+        for p in found[: -self.recipe.train.keep_last]:
             shutil.rmtree(p, ignore_errors=True)
 
     def mark_best(self, path: Path, tau: float | None) -> None:
@@ -374,20 +376,20 @@ class Trainer:
         tmp = self.run_dir / "checkpoints" / ".best-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(path, tmp)
-        ckpt.publish(tmp, link)
+        publish(tmp, link)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
-        t = self.r.train
+        t = self.recipe.train
         self.resume()
-        main = self.acc.is_main_process
+        main = self.accelerator.is_main_process
         if main:
-            backend = self.acc.distributed_type.value + (f" ZeRO-{self.zero_stage}" if self.zero_stage is not None else "")
+            backend = self.accelerator.distributed_type.value + (f" ZeRO-{self.zero_stage}" if self.zero_stage is not None else "")
             owned = _owned_weight_fraction(self.model)
             print(f"distributed: {backend}, world size {self.world}, rank 0 owns {owned:.0%} of the drafter weights", flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        logger = MetricLogger(self.run_dir, self.r, main)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.r.algorithm}", dynamic_ncols=True)
+        logger = MetricLogger(self.run_dir, self.recipe, main)
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.recipe.algorithm}", dynamic_ncols=True)
         stream = self.micro_batches(self.step)
         last_metrics: dict = {}
         started = time.perf_counter() - self.elapsed
@@ -403,12 +405,12 @@ class Trainer:
                 batch = {k: v.to(self.target.device) for k, v in batch.items()}
                 hidden, batch = self.capture(indices, batch)
                 # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
-                with self.acc.accumulate(self.model):
+                with self.accelerator.accumulate(self.model):
                     loss, metrics = self.model(batch, hidden, self.loss_cfg)
-                    self.acc.backward(loss)
+                    self.accelerator.backward(loss)
                 tokens += int(batch["attention_mask"].sum())
                 _accumulate(agg, {"loss": loss.item(), **metrics}, t.grad_accum)
-            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
@@ -416,8 +418,8 @@ class Trainer:
             dt = time.perf_counter() - t0
             self.elapsed = time.perf_counter() - started
             if self.world > 1:  # log the loss of the global batch, not rank 0's share
-                agg["loss"] = self.acc.reduce(torch.tensor(agg["loss"], device=self.acc.device), "mean").item()
-                tokens = int(self.acc.reduce(torch.tensor(tokens, device=self.acc.device), "sum").item())
+                agg["loss"] = self.accelerator.reduce(torch.tensor(agg["loss"], device=self.accelerator.device), "mean").item()
+                tokens = int(self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), "sum").item())
             tok_s = tokens / dt
             last_metrics = {
                 "step": self.step,
@@ -451,10 +453,10 @@ class Trainer:
     def check_weights_in_sync(self) -> bool:
         """DDP / ZeRO-1,2 invariant: every rank ends with bit-identical weights (compared by digest)."""
         h = hashlib.sha256()
-        for _, p in sorted(self.acc.unwrap_model(self.model).state_dict().items()):
+        for _, p in sorted(self.accelerator.unwrap_model(self.model).state_dict().items()):
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
-        digest = torch.tensor(list(h.digest()[:8]), dtype=torch.long, device=self.acc.device)
-        everyone = self.acc.gather(digest[None]).view(self.world, -1)
+        digest = torch.tensor(list(h.digest()[:8]), dtype=torch.long, device=self.accelerator.device)
+        everyone = self.accelerator.gather(digest[None]).view(self.world, -1)
         return bool((everyone == everyone[0]).all())
 
     def checkpoint_and_eval(self, metrics: dict, logger: MetricLogger) -> None:
@@ -462,9 +464,9 @@ class Trainer:
         if os.environ.get("DRAFTLAB_FAULT_KILL_AFTER_STEP") == str(self.step):
             # Fault injection for the resume test: die the hardest way right after a checkpoint.
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.evaluate is not None and self.r.eval.enabled:
+        if self.evaluate is not None and self.recipe.eval.enabled:
             report = None
-            if self.acc.is_main_process:
+            if self.accelerator.is_main_process:
                 self.model.eval()
                 report = self.evaluate(path)
                 self.model.train()
@@ -474,8 +476,8 @@ class Trainer:
                     # the checkpoint's JSON carries the measured acceptance (model cards read it)
                     meta = ckpt.read_meta(path)
                     meta["metrics"]["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
-                    ckpt.write_json(path / ckpt.META, meta)
-            self.acc.wait_for_everyone()
+                    write_json(path / ckpt.META, meta)
+            self.accelerator.wait_for_everyone()
         self.prune()
 
 

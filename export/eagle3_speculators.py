@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.models.eagle import Eagle3Drafter
 from draftlab.export.formats import (
     ExportOptions,
     Format,
@@ -127,7 +128,7 @@ class SpeculatorsEagle3(Format):
         if cfg.vocab_size != target.vocab_size:
             raise DraftlabError(f"{where}: transformer_layer_config.vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
         L = target.num_layers
-        aux = config.get("eagle_aux_hidden_state_layer_ids") or target.eagle3_layers()  # speculators' default
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or Eagle3Drafter.default_aux_layers(L)  # speculators' default
         bad = [i for i in aux if not 1 <= i <= L - 1]
         if bad:
             raise DraftlabError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} must lie in 1..{L - 1} for this target")

@@ -21,6 +21,7 @@ the layout SpecForge trains and exports.
 from __future__ import annotations
 
 from draftlab.errors import DraftlabError
+from draftlab.models.eagle import Eagle3Drafter
 from draftlab.export.formats import (
     ExportOptions,
     Format,
@@ -100,7 +101,7 @@ class SGLangEagle3(Format):
             raise DraftlabError(f"{where}: vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
         L = target.num_layers
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        aux = [i + 1 for i in ids] if ids is not None else target.eagle3_layers()  # see module docstring
+        aux = [i + 1 for i in ids] if ids is not None else Eagle3Drafter.default_aux_layers(L)  # see module docstring
         bad = [i for i in aux if not 1 <= i <= L - 1]
         if bad:
             raise DraftlabError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} capture outside 1..{L - 1} for this target")

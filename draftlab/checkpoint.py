@@ -1,0 +1,143 @@
+"""The draftlab checkpoint format: the one writer and reader of drafter weights and metadata.
+
+Training, resume, evaluation, export and import all read and write drafters through here, so
+none of them imports the trainer. A checkpoint is a directory::
+
+    model.safetensors     drafter weights (frozen target-owned tensors excluded)
+    draftlab.json         format, algorithm, drafter meta, target identity, recipe, step, metrics
+    trainer/              optimizer, scheduler and RNG state (written and read by ``train/``)
+
+written to a temporary sibling and renamed into place (``draftlab.atomic``), so a kill never
+leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from draftlab.atomic import write_json
+from draftlab.errors import DraftlabError
+
+FORMAT = "draftlab-checkpoint/1"
+META = "draftlab.json"
+WEIGHTS = "model.safetensors"
+
+
+def save_weights(tmp: Path, state: dict, meta: dict) -> None:
+    """``state``: the drafter's full (gathered) state dict; ``meta`` from :func:`checkpoint_meta`."""
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(state, tmp / WEIGHTS, metadata={"format": FORMAT, "algorithm": meta["algorithm"]})
+    write_json(tmp / META, {"format": FORMAT, **meta})
+
+
+def checkpoint_meta(drafter, target_identity: dict, recipe: dict | None, step: int, metrics: dict | None = None) -> dict:
+    return {
+        "algorithm": drafter.algorithm,
+        "drafter": drafter.meta(),
+        "target": target_identity,
+        "recipe": recipe,
+        "step": step,
+        "metrics": metrics or {},
+    }
+
+
+REQUIRED = ("algorithm", "drafter", "target")
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    f = path / META
+    if not f.is_file():
+        raise DraftlabError(f"not a draftlab checkpoint (no {META}): {path}")
+    try:
+        meta = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftlabError(f"{f}: invalid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DraftlabError(f"{f}: unsupported checkpoint format {found!r} (expected {FORMAT})")
+    for key in REQUIRED:
+        if not isinstance(meta.get(key), (str if key == "algorithm" else dict)):
+            raise DraftlabError(f"{f}: field '{key}' is missing or malformed")
+    return meta
+
+
+def check_target(meta: dict, target, where: str) -> None:
+    """Refuse a checkpoint trained for another target (different shape or vocabulary)."""
+    want = meta["target"]
+    have = target.identity
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+    diff = [k for k in keys if want.get(k) != have.get(k)]
+    if diff:
+        k = diff[0]
+        raise DraftlabError(
+            f"{where} was trained for target '{want.get('name')}' ({k}={want.get(k)}), "
+            f"not '{have.get('name')}' ({k}={have.get(k)})"
+        )
+
+
+def read_weights(path: Path, device="cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a missing, truncated or corrupt file is a one-line error."""
+    if not Path(path).is_file():
+        raise DraftlabError(f"{path}: missing")
+    try:
+        return load_file(path, device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DraftlabError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def load_state_exactly(module: torch.nn.Module, state: dict[str, torch.Tensor], where, derived: tuple[str, ...] = ()) -> None:
+    """Load ``state`` into ``module``: every key present (except ``derived`` prefixes), none
+    unknown, each of the module's shape and kind (float / integer / bool); else a one-line
+    error naming ``where`` and the first offending tensors."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state and not k.startswith(derived)]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise DraftlabError(f"{where}: weights do not match the drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def kind(t):
+        return "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "integer"
+
+    wrong = [f"{k} {tuple(v.shape)} {v.dtype}, expected {tuple(own[k].shape)} {own[k].dtype}"
+             for k, v in state.items() if v.shape != own[k].shape or kind(v) != kind(own[k])]
+    if wrong:
+        raise DraftlabError(f"{where}: tensor {wrong[0]}" + (f" (+{len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+    module.load_state_dict(state, strict=False)
+
+
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
+    """Rebuild a drafter from a checkpoint for ``target`` (which must match the one it was trained on), in
+    ``dtype`` (default: the target's; resume asks for float32 so fp32 master weights survive a bf16 target)."""
+    from pydantic import ValidationError
+
+    from draftlab.models.drafter import DRAFTERS
+
+    path = Path(path)
+    meta = read_meta(path)
+    check_target(meta, target, str(path))
+    family = DRAFTERS.get(meta["algorithm"], f"{path / META}: algorithm")
+    try:
+        drafter = family.from_meta(meta["drafter"], target)
+    except (KeyError, TypeError, ValueError, ValidationError) as e:
+        what = f"lacks {e}" if isinstance(e, KeyError) else f"is malformed ({str(e).splitlines()[0]})"
+        raise DraftlabError(f"{path / META}: drafter meta {what}") from None
+    state = read_weights(path / WEIGHTS, target.device)
+    load_state_exactly(drafter, state, path / WEIGHTS, family.derived_keys)
+    return drafter.to(dtype or target.dtype).eval(), meta
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.glob("step-*") if (p / META).is_file())
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
