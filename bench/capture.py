@@ -50,13 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak import append_benchmarks, cpu_name, measure_fp32_peak  # noqa: E402
 
-from draftlab.data.capture import (  # noqa: E402
-    STORAGE_DTYPES,
-    capture_offline,
-    capture_samples,
-    plan_batches,
-    resolve_layers,
-)
+from draftlab.data.capture import resolve_layers  # noqa: E402
+from draftlab.data.offline import STORAGE_DTYPES, capture_offline, capture_samples, plan_batches  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PEAK_WINDOW_S = 0.3  # before every batch: 3 shapes x 0.1 s

@@ -78,7 +78,7 @@ from peak import append_benchmarks, cpu_name  # noqa: E402
 
 from draftlab.errors import DraftlabError  # noqa: E402
 from draftlab.inference.evaluate import check_decoding_options  # noqa: E402
-from draftlab.inference.proposer import TreeSpec  # noqa: E402
+from draftlab.inference.proposer import Chain, DynamicTree  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 COPY_MIB = 256  # bandwidth probe: far beyond any cache level
@@ -304,7 +304,7 @@ def random_tree(n: int, depth: int, vocab: int, g: torch.Generator):
     return tokens[None], torch.tensor([parents])
 
 
-def kernel_times(vocab: int, k: int, tree: TreeSpec, reps: int) -> dict:
+def kernel_times(vocab: int, k: int, tree: DynamicTree, reps: int) -> dict:
     """(d): each verifier alone (torch backend, CPU) and the decoder-side work feeding it, ms."""
     from draftlab.inference.proposer import process_logits
     from draftlab.kernels import chain_verify_greedy, chain_verify_sampling, tree_verify_greedy, tree_verify_sampling
@@ -397,7 +397,7 @@ def engine_table(fw: dict, wb: dict, bw: float, kv_ctx: int, k: int, tree_total:
     ])
 
 
-def step_table(spec_rows: list[dict], kt: dict, k: int, tree: TreeSpec, vocab: int) -> str:
+def step_table(spec_rows: list[dict], kt: dict, k: int, tree: DynamicTree, vocab: int) -> str:
     """(d) and (e): per speculative row, the per-step split (reports + in-run forward timing)
     and the isolated verify kernels relative to the measured step."""
     lines = [
@@ -442,9 +442,9 @@ def parse_args(argv):
     p.add_argument("--num-prompts", type=int, default=24, help="Spec-Bench prompts, round-robin over categories")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5, help="chain drafts per step (n-gram, EAGLE chain, HF prompt lookup)")
-    p.add_argument("--tree-depth", type=int, default=TreeSpec.depth)
-    p.add_argument("--tree-topk", type=int, default=TreeSpec.top_k)
-    p.add_argument("--tree-total", type=int, default=TreeSpec.total_tokens, help="tree: draft nodes per step")
+    p.add_argument("--tree-depth", type=int, default=DynamicTree.depth)
+    p.add_argument("--tree-topk", type=int, default=DynamicTree.top_k)
+    p.add_argument("--tree-total", type=int, default=DynamicTree.total_tokens, help="tree: draft nodes per step")
     p.add_argument("--ngram-max", type=int, default=3, help="n-gram rows: longest n-gram to match")
     p.add_argument("--ngram-min", type=int, default=1, help="draftlab n-gram row: shortest n-gram to match")
     p.add_argument("--min-confidence", type=float, default=0.0, help="extra EAGLE-3 chain row with dynamic draft length (0 = no row)")
@@ -470,19 +470,19 @@ def parse_args(argv):
     return args
 
 
-def dynamic_runs(drafter, args) -> list[tuple[str, object]]:
-    """Row 7's (name, proposer) pairs: dynamic draft length, lookup first, both."""
+def dynamic_runs(proposer, args) -> list[tuple[str, object, Chain]]:
+    """Row 7's (name, proposer, shape) triples: dynamic draft length, lookup first, both."""
     from draftlab.inference.hybrid import LookupFirstProposer
 
     runs, c, n = [], args.min_confidence, args.lookup_min_match
+    lookup_first = LookupFirstProposer(proposer, n, args.ngram_max) if n else None
     if c:
-        runs.append((f"draftlab EAGLE-3 chain K={args.k}, min confidence {c}", drafter.proposer(c)))
+        runs.append((f"draftlab EAGLE-3 chain K={args.k}, min confidence {c}", proposer, Chain(args.k, c)))
     if n:
-        runs.append((f"draftlab lookup (n-gram >= {n}) else EAGLE-3 chain K={args.k}",
-                     LookupFirstProposer(drafter.proposer(), n, args.ngram_max)))
+        runs.append((f"draftlab lookup (n-gram >= {n}) else EAGLE-3 chain K={args.k}", lookup_first, Chain(args.k)))
     if c and n:
         runs.append((f"draftlab lookup (n-gram >= {n}) else EAGLE-3 chain K={args.k}, min confidence {c}",
-                     LookupFirstProposer(drafter.proposer(c), n, args.ngram_max)))
+                     lookup_first, Chain(args.k, c)))
     return runs
 
 
@@ -498,25 +498,25 @@ def spec_row(name: str, report: dict, forwards: dict, hf_over_plain: float) -> d
     }
 
 
-def run_speculative(target, runs, prompts, k: int, tree: TreeSpec, max_new_tokens: int, eos) -> tuple[dict, dict]:
-    """Rows 4-6: ``evaluate`` per (name, proposer, method), through a :class:`TimedTarget`.
+def run_speculative(target, runs, prompts, max_new_tokens: int, eos) -> tuple[dict, dict]:
+    """Rows 4-6: ``evaluate`` per (name, proposer, shape), through a :class:`TimedTarget`.
     Returns (reports, in-run forward timings), both by name."""
     from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
     from draftlab.inference.evaluate import evaluate
 
     timed = TimedTarget(target)
     reports, forwards = {}, {}
-    for name, proposer, method in runs:
+    for name, proposer, shape in runs:
         # evaluate's own warm-up, done here so that its forwards stay out of the in-run timings
         n = min(max_new_tokens, 16)
         generate_plain(timed, prompts[0].prompt_ids, n, eos_token_id=eos)
-        SpeculativeDecoder(timed, proposer).generate(prompts[0].prompt_ids, n, method=method, k=k, tree=tree, eos_token_id=eos)
+        SpeculativeDecoder(timed, proposer).generate(prompts[0].prompt_ids, n, shape, eos_token_id=eos)
         timed.take()
 
         def progress(i, total, res, name=name):
             print(f"[{name} {i + 1}/{total}] tau={res.stats().tau:.2f} {res.tokens_per_s:.1f} tok/s", flush=True)
 
-        reports[name] = evaluate(timed, proposer, prompts, method=method, k=k, tree=tree, max_new_tokens=max_new_tokens,
+        reports[name] = evaluate(timed, proposer, prompts, shape, max_new_tokens=max_new_tokens,
                                  eos_token_id=eos, warmup=False, data="spec-bench", label=name, progress=progress)
         forwards[name] = timed.take()
     return reports, forwards
@@ -546,13 +546,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"the benchmark is fp32 on CPU; the default target loaded as {target.dtype} on {target.device}")
     eos = target.tokenizer.eos_token_id
     prompts = load_prompts("spec-bench", target.tokenizer, args.num_prompts)
-    tree = TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
-    proposer = drafter = None
+    tree = DynamicTree(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
+    proposer = None
     if args.drafter:
-        from draftlab.checkpoint import load_drafter
+        from draftlab.inference.proposer import load_proposer
 
-        drafter, _ = load_drafter(args.drafter, target)
-        proposer = drafter.proposer()
+        proposer = load_proposer(args.drafter, target)
     M = args.max_new_tokens
     print(f"{len(prompts)} Spec-Bench prompts ({len({p.category for p in prompts})} categories), max_new_tokens {M}, "
           f"K {args.k}, tree {vars(tree)}, {torch.get_num_threads()} threads; {uptime_start}", flush=True)
@@ -564,12 +563,11 @@ def main(argv=None) -> int:
     pld = summarize_runs(base["hf_pld"], base["plain"])
     hf_over_plain = hf["tokens_per_s"] / plain["tokens_per_s"]
 
-    runs = [("ngram", NgramProposer(args.ngram_max, args.ngram_min), "chain")]
+    runs = [("ngram", NgramProposer(args.ngram_max, args.ngram_min), Chain(args.k))]
     if proposer is not None:
-        runs += [("eagle3 chain", proposer, "chain"), ("eagle3 tree", proposer, "tree")]
-        extra = dynamic_runs(drafter, args)
-        runs += [(name, p, "chain") for name, p in extra]
-    reports, forwards = run_speculative(target, runs, prompts, args.k, tree, M, eos)
+        extra = dynamic_runs(proposer, args)
+        runs += [("eagle3 chain", proposer, Chain(args.k)), ("eagle3 tree", proposer, tree)] + extra
+    reports, forwards = run_speculative(target, runs, prompts, M, eos)
 
     def baseline_row(name, s, vs_plain, vs_hf, cats=None):
         return {"name": name, "tps": s["tokens_per_s"], "plain_tps": plain["tokens_per_s"], "vs_plain": vs_plain,
@@ -587,7 +585,7 @@ def main(argv=None) -> int:
         rows.append(spec_row(f"draftlab EAGLE-3 chain K={args.k}", reports["eagle3 chain"], forwards["eagle3 chain"], hf_over_plain))
         rows.append(spec_row(f"draftlab EAGLE-3 tree d{tree.depth}/k{tree.top_k}/n{tree.total_tokens}", reports["eagle3 tree"],
                              forwards["eagle3 tree"], hf_over_plain))
-        rows += [spec_row(name, reports[name], forwards[name], hf_over_plain) for name, _ in extra]
+        rows += [spec_row(name, reports[name], forwards[name], hf_over_plain) for name, _, _ in extra]
         skipped = None
     else:
         rows += [{"name": f"draftlab EAGLE-3 chain K={args.k}", "skipped": "no --drafter"},
@@ -638,13 +636,13 @@ def main(argv=None) -> int:
 
 
 def write_json(path: Path, obj) -> None:
-    from draftlab.inference.report import write_json as write_report_json
+    from draftlab.atomic import write_json as write_atomic
 
-    write_report_json(obj, path)
+    write_atomic(path, obj)
     print(f"wrote {path}")
 
 
-def append_result(argv, args, num_prompts: int, tree: TreeSpec, text: str) -> None:
+def append_result(argv, args, num_prompts: int, tree: DynamicTree, text: str) -> None:
     cmd = "python bench/e2e.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     import transformers
 

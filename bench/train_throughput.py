@@ -115,7 +115,7 @@ def capture_rows(target, ids: torch.Tensor, layers: list[int], batch: int):
     try:
         t0 = time.perf_counter()
         for chunk in ids.split(batch):
-            parts.append(capture_batch(target, chunk, None, layers=layers)["hidden"])
+            parts.append(capture_batch(target, chunk, layers))
         seconds = time.perf_counter() - t0
     finally:
         hook.remove()
@@ -157,11 +157,10 @@ class SpeculatorsRun:
         from speculators.losses import resolve_loss_config
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-        import draftlab.export.speculators  # noqa: F401  (registers the format)
-        from draftlab.export.formats import FORMATS, ExportOptions
+        from draftlab.export.formats import ExportOptions, import_format
         from draftlab.losses.eagle import shift_left
 
-        fmt = FORMATS["speculators"]
+        fmt = import_format("speculators")
         cfg = Eagle3SpeculatorConfig.model_validate(fmt.export_config(drafter, target, {}, ExportOptions(speculative_tokens=steps)))
         cfg.transformer_layer_config._attn_implementation = attn
         m = Eagle3DraftModel(cfg)

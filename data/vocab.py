@@ -52,15 +52,3 @@ def build_draft_vocab(samples: Iterable[dict], target_vocab_size: int, draft_voc
     d2t = kept - torch.arange(N)
     return d2t, chosen
 
-
-def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """Target ids of draft ids (any shape)."""
-    d2t = d2t.to(draft_ids.device)
-    return draft_ids + d2t[draft_ids]
-
-
-def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Draft ids of target ids (any shape); -1 where the token is not in the draft vocab."""
-    t2d = t2d.to(target_ids.device)
-    index = torch.cumsum(t2d.long(), 0) - 1
-    return torch.where(t2d[target_ids], index[target_ids], torch.full_like(target_ids, -1))

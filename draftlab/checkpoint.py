@@ -49,18 +49,27 @@ def checkpoint_meta(drafter, target_identity: dict, recipe: dict | None, step: i
 REQUIRED = ("algorithm", "drafter", "target")
 
 
+def read_json(f: Path) -> dict:
+    """A JSON object from ``f``; a missing, unreadable or non-object file is a one-line error."""
+    if not f.is_file():
+        raise DraftlabError(f"{f}: missing")
+    try:
+        obj = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftlabError(f"{f}: invalid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(obj, dict):
+        raise DraftlabError(f"{f}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_meta(path: str | Path) -> dict:
     path = Path(path)
     f = path / META
     if not f.is_file():
         raise DraftlabError(f"not a draftlab checkpoint (no {META}): {path}")
-    try:
-        meta = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftlabError(f"{f}: invalid JSON ({getattr(e, 'msg', e)})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise DraftlabError(f"{f}: unsupported checkpoint format {found!r} (expected {FORMAT})")
+    meta = read_json(f)
+    if meta.get("format") != FORMAT:
+        raise DraftlabError(f"{f}: unsupported checkpoint format {meta.get('format')!r} (expected {FORMAT})")
     for key in REQUIRED:
         if not isinstance(meta.get(key), (str if key == "algorithm" else dict)):
             raise DraftlabError(f"{f}: field '{key}' is missing or malformed")

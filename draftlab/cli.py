@@ -11,7 +11,7 @@ from draftlab.errors import DraftlabError
 
 # name -> (module, help)
 SUBCOMMANDS = {
-    "capture": ("draftlab.data.capture", "capture target hidden states into offline shards"),
+    "capture": ("draftlab.data.capture_cli", "capture target hidden states into offline shards"),
     "train": ("draftlab.train.launch", "train a drafter of any family from a recipe YAML"),
     "eval": ("draftlab.inference.evaluate", "speculative decoding acceptance report (alpha_j, tau, speedup)"),
     "generate": ("draftlab.inference.generate", "interactive speculative generation with live acceptance"),

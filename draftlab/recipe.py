@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from draftlab.data.dataset import DataSpec
 from draftlab.errors import DraftlabError
@@ -70,11 +71,48 @@ class EvalSpec(Strict):
     data: str = Field("sharegpt-heldout", description="sharegpt-heldout | spec-bench | humaneval | FILE.jsonl")
     num_prompts: int = Field(8, ge=1)
     max_new_tokens: int = Field(64, ge=1)
-    method: Literal["chain", "tree"] = "chain"
-    k: int = Field(5, ge=1)
+    method: Literal["chain", "tree", "static_tree", "block"] = Field(
+        "chain", description="draft shape: chain, tree (EAGLE-2 dynamic tree), static_tree or block"
+    )
+    k: int = Field(5, ge=1, description="chain and block: drafts per step")
+    min_confidence: float = Field(
+        0.0, ge=0, lt=1, description="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this"
+    )
     tree: TreeEvalSpec = TreeEvalSpec()
+    static_tree: list[list[int]] | None = Field(
+        None, validate_default=True, description="static_tree: paths of candidate ranks from the root, e.g. [[0], [1], [0, 0]]"
+    )
     temperature: float = Field(0.0, ge=0)
     baseline: bool = Field(True, description="also time plain decoding for the speedup")
+
+    @field_validator("static_tree")
+    @classmethod
+    def _static_tree_for_its_method(cls, choices, info: ValidationInfo):
+        """Required by method static_tree, and a valid tree (checked now, not after training)."""
+        from draftlab.inference.proposer import StaticTree
+
+        if info.data.get("method") != "static_tree":
+            return choices
+        if choices is None:
+            raise PydanticCustomError("static_tree", "required when method is static_tree (paths of candidate ranks, e.g. [[0], [1], [0, 0]])")
+        try:
+            StaticTree(choices)
+        except DraftlabError as e:
+            raise PydanticCustomError("static_tree", str(e)) from None
+        return choices
+
+    @field_validator("min_confidence")
+    @classmethod
+    def _min_confidence_for_chains(cls, value, info: ValidationInfo):
+        if value and info.data.get("method", "chain") != "chain":
+            raise PydanticCustomError("min_confidence", "applies to method chain only")
+        return value
+
+    def shape(self):
+        """The draft shape (``draftlab.inference.proposer``) this section asks for."""
+        from draftlab.inference.proposer import make_shape
+
+        return make_shape(self.method, self.k, self.min_confidence, self.tree.model_dump(), self.static_tree)
 
 
 class LoggingSpec(Strict):

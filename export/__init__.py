@@ -1,23 +1,24 @@
 """Export drafter checkpoints for serving engines, and import public drafters.
 
-``draftlab export CKPT --to {vllm,sglang,hf} OUT [--target default]`` and
-``draftlab import SRC --format {speculators,sglang,eagle} --target default OUT``.
+``draftlab export CKPT --to ENGINE OUT [--target default]`` and
+``draftlab import SRC --format NAME --target default OUT``.
 API: ``exporter.export_checkpoint(ckpt, engine, out, target, opts, overwrite)`` and
 ``importer.import_checkpoint(src, format_name, out, target, overwrite)``.
 
-One small mapping per (algorithm, layout), registered in ``formats.py``:
+One small mapping per (algorithm, layout), each module registering its own formats with
+``formats.register`` (engines and import names are whatever the registered formats declare):
 
 =========  ========  ==============================================================  ===============
 ``--to``   drafter   layout written                                                  module
 =========  ========  ==============================================================  ===============
-vllm       eagle3    speculators ``Eagle3Speculator`` (vLLM ``Eagle3LlamaForCausalLM``)  speculators.py
-sglang     eagle3    SGLang ``LlamaForCausalLMEagle3`` (SpecForge layout)            sglang.py
-sglang     eagle1    EAGLE repo layout, ``LlamaForCausalLMEagle`` (fc with bias)     eagle.py
-vllm       eagle1    EAGLE repo layout, ``LlamaForCausalLM`` (fc without bias)        eagle.py
+vllm       eagle3    speculators ``Eagle3Speculator`` (vLLM ``Eagle3LlamaForCausalLM``)  eagle3_speculators.py
+sglang     eagle3    SGLang ``LlamaForCausalLMEagle3`` (SpecForge layout)            eagle3_sglang.py
+sglang     eagle1    EAGLE repo layout, ``LlamaForCausalLMEagle`` (fc with bias)     eagle1.py
+vllm       eagle1    EAGLE repo layout, ``LlamaForCausalLM`` (fc without bias)        eagle1.py
 hf         any       draftlab checkpoint + config.json (what ``draftlab eval`` reads)  draftlab_layout.py
 =========  ========  ==============================================================  ===============
 
-Every export refuses a checkpoint trained for another target (``checkpoint.check_target``),
+Every export refuses a checkpoint trained for another target (``draftlab.checkpoint.check_target``),
 refuses drafters the layout cannot hold exactly (each refusal names the reason), is written
 atomically and carries a model card (``model_card.py``) whose numbers come only from the
 checkpoint's measured ``metrics.eval``. Imports are the inverse mappings and fail on any
@@ -25,8 +26,8 @@ missing or unknown tensor, listing the names.
 
 Aux-layer indices: draftlab's ``aux_layers``, speculators' and vLLM's
 ``eagle_aux_hidden_state_layer_ids`` are HF ``hidden_states`` indices (the input of decoder
-layer i); SGLang/SpecForge ids are one lower (SGLang captures id+1). See ``speculators.py`` and
-``sglang.py``.
+layer i); SGLang/SpecForge ids are one lower (SGLang captures id+1). See ``eagle3_speculators.py``
+and ``eagle3_sglang.py``.
 
 Which loaders are covered
 -------------------------

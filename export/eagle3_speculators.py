@@ -17,7 +17,7 @@ Checked against speculators 0.9.0 (``Eagle3SpeculatorConfig``, ``Eagle3DraftMode
   ``aux_hidden_state_layers`` index the *input* of decoder layer i (vLLM appends
   ``hidden_states + residual`` before running layer i) — HF ``hidden_states[i]``, which is
   draftlab's convention, so the ids are copied unshifted; ``[2, L//2, L-3]`` is the default
-  on all three sides. (SGLang is off by one: see ``sglang.py``.) The exported ids are the
+  on all three sides. (SGLang is off by one: see ``eagle3_sglang.py``.) The exported ids are the
   capture contract; the test-suite checks the drafter math against speculators' own model.
 """
 

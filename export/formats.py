@@ -212,31 +212,20 @@ def serving_aux_ids(aux: list[int], num_target_layers: int, what: str) -> None:
         )
 
 
-def read_json_file(f: Path) -> dict:
-    """A JSON object from ``f``; a missing, unreadable or non-object file is a one-line error."""
-    if not f.is_file():
-        raise DraftlabError(f"{f}: missing")
-    try:
-        obj = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftlabError(f"{f}: invalid JSON ({getattr(e, 'msg', e)})") from None
-    if not isinstance(obj, dict):
-        raise DraftlabError(f"{f}: expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
 def read_config(src: Path) -> dict:
-    return read_json_file(src / "config.json")
+    from draftlab.checkpoint import read_json
+
+    return read_json(src / "config.json")
 
 
 def read_tensors(src: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: model.safetensors, sharded safetensors (index),
     or pytorch_model.bin (read with ``weights_only=True``: tensors only, no code)."""
-    from draftlab.checkpoint import read_weights
+    from draftlab.checkpoint import read_json, read_weights
 
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = read_json_file(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise DraftlabError(f"{index}: no weight_map")
         out: dict[str, torch.Tensor] = {}

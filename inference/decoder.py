@@ -1,11 +1,12 @@
-"""Speculative decoding (chain and tree) and the plain baseline, on the target's KV cache.
+"""Speculative decoding (chain, block and tree) and the plain baseline, on the target's KV cache.
 
 Both decoders share the prefill, the sampling rule (:func:`process_logits`) and the stopping
 rule, so a speedup compares like with like: one prefill, then per step one target forward
-(plain: over the last token; speculative: over ``[last token, drafts...]``). After a
-speculative step the cache is rolled back to the kept tokens (chain: ``crop``; tree: ``keep``
-of the accepted path's slots); the bonus/correction token becomes the next step's "last token"
-and is written to the cache by that next forward. Nothing is ever re-prefilled.
+(plain: over the last token; speculative: over ``[last token, drafts...]``). A speculative
+step reads top to bottom: draft, one target forward, accept (``kernels.accept_chain`` /
+``accept_tree``), roll the cache back to the kept tokens (chain: ``crop``; tree: ``keep`` of the
+accepted path's slots). The bonus/correction token becomes the next step's "last token" and is
+written to the cache by that next forward. Nothing is ever re-prefilled.
 
 Batch size is 1 (``KVCache`` has one length for the whole batch; rows accept different
 numbers of drafts).
@@ -20,11 +21,9 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
-from draftlab.inference.proposer import ChainDraft, DraftTree, Proposer, Sampling, TreeSpec
+from draftlab.inference.proposer import Block, Chain, ChainDraft, DraftTree, Proposer, Sampling, Shape, check_shape
 from draftlab.inference.tree import accepted_slots, tree_verify_inputs, validate_tree
-from draftlab.kernels import chain_verify_greedy, chain_verify_sampling, tree_verify_greedy, tree_verify_sampling
-
-METHODS = ("chain", "tree")
+from draftlab.kernels import accept_chain, accept_tree
 
 
 @dataclass
@@ -34,7 +33,7 @@ class GenerationResult:
     num_drafted: list[int] = field(default_factory=list)  # per verify step: draft tokens / tree nodes verified
     draft_depths: list[int] = field(default_factory=list)  # per verify step: longest acceptable run offered
     draft_time: float = 0.0  # proposer (start, propose, advance), seconds
-    verify_time: float = 0.0  # decode-step target forwards + verification + cache roll-back
+    verify_time: float = 0.0  # the decoding loop but the proposer: target forwards, verification, roll-back
     prefill_time: float = 0.0
     total_time: float = 0.0
     stop_reason: str = "length"  # "length" or "eos"
@@ -83,13 +82,6 @@ def _sampling(device, temperature: float, top_k: int, top_p: float, seed: int) -
     return Sampling(temperature, top_k, top_p, gen)
 
 
-def _next_token(sampling: Sampling, logits_row: torch.Tensor) -> int:
-    """The target's next token from one row of logits: the rule plain decoding uses everywhere."""
-    if sampling.greedy:
-        return int(logits_row.max(-1).indices)
-    return int(sampling.sample(sampling.probs(logits_row)))
-
-
 class _Clock:
     """perf_counter that waits for queued GPU work, so the split between phases is honest."""
 
@@ -103,29 +95,33 @@ class _Clock:
 
 
 class _Emitter:
-    """Collects emitted tokens; applies max_new_tokens and eos (truncating within a step)."""
+    """Collects emitted tokens; applies max_new_tokens and eos (truncating within a step) and
+    streams what it kept to ``on_step``."""
 
-    def __init__(self, max_new_tokens: int, eos: frozenset[int]):
+    def __init__(self, max_new_tokens: int, eos: frozenset[int], on_step=None):
         self.tokens: list[int] = []
-        self.max_new_tokens, self.eos = max_new_tokens, eos
+        self.max_new_tokens, self.eos, self.on_step = max_new_tokens, eos, on_step
         self.stop_reason: str | None = None
 
     def emit(self, new: list[int]) -> bool:
         """Append ``new``; True once generation is over."""
+        before = len(self.tokens)
         for t in new:
             self.tokens.append(t)
             if t in self.eos:
                 self.stop_reason = "eos"
-                return True
+                break
             if len(self.tokens) >= self.max_new_tokens:
                 self.stop_reason = "length"
-                return True
-        return False
+                break
+        if self.on_step is not None:
+            self.on_step(self.tokens[before:])
+        return self.stop_reason is not None
 
 
 def _prefill(target, prompt: torch.Tensor, layers, cache, sampling: Sampling):
     out = target(prompt[None], layers=list(layers), cache=cache, logits="last")
-    return _next_token(sampling, out.logits[0, -1]), out.hidden
+    return sampling.next_token(out.logits[0, -1]), out.hidden
 
 
 # ---------------------------------------------------------------------- plain baseline
@@ -153,7 +149,7 @@ def generate_plain(
     done = em.emit([tok])
     while not done:
         out = target(torch.tensor([[tok]], device=target.device), cache=cache, logits="last")
-        tok = _next_token(sampling, out.logits[0, -1])
+        tok = sampling.next_token(out.logits[0, -1])
         done = em.emit([tok])
     t2 = clock()
     return GenerationResult(
@@ -167,8 +163,43 @@ def generate_plain(
 
 
 # ---------------------------------------------------------------------- speculative
+class _TimedProposer:
+    """The proposer behind a stopwatch: the time of its start, propose and advance adds up in
+    ``seconds``, so the decoding loop reads without timers."""
+
+    def __init__(self, proposer: Proposer, clock: _Clock):
+        self.proposer, self.clock, self.seconds = proposer, clock, 0.0
+        self.name, self.layers = proposer.name, proposer.layers
+
+    def _timed(self, method, *args):
+        t0 = self.clock()
+        out = method(*args)
+        self.seconds += self.clock() - t0
+        return out
+
+    def start(self, prompt_ids, hidden, next_token) -> None:
+        self._timed(self.proposer.start, prompt_ids, hidden, next_token)
+
+    def propose(self, shape: Shape):
+        return self._timed(self.proposer.propose, shape)
+
+    def advance(self, accepted, hidden) -> None:
+        self._timed(self.proposer.advance, accepted, hidden)
+
+
+@dataclass
+class _Step:
+    """What one speculative step emitted and kept."""
+
+    tokens: list[int]  # accepted drafts, then the correction or bonus token
+    accepted: int  # drafts accepted (tree: the accepted path's depth)
+    drafted: int  # draft tokens / tree nodes verified
+    depth: int  # longest acceptable run offered
+    hidden: dict[int, torch.Tensor]  # the target's hidden states of the kept inputs
+
+
 class SpeculativeDecoder:
-    """``SpeculativeDecoder(target, proposer).generate(prompt_ids, max_new_tokens, ...)``."""
+    """``SpeculativeDecoder(target, proposer).generate(prompt_ids, max_new_tokens, shape=Chain(5), ...)``."""
 
     def __init__(self, target, proposer: Proposer, backend: str = "auto"):
         self.target, self.proposer, self.backend = target, proposer, backend
@@ -178,9 +209,7 @@ class SpeculativeDecoder:
         self,
         prompt_ids,
         max_new_tokens: int,
-        method: str = "chain",
-        k: int = 5,
-        tree: TreeSpec | None = None,
+        shape: Shape = Chain(5),
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -188,139 +217,95 @@ class SpeculativeDecoder:
         eos_token_id=None,
         on_step=None,
     ) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``. ``on_step(tokens)``, when
-        given, is called with each batch of newly emitted tokens (streaming)."""
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, drafting ``shape`` each
+        step. ``on_step(tokens)``, when given, is called with each batch of newly emitted tokens
+        (streaming)."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p)
-        tree = tree or TreeSpec()
-        if method not in METHODS:
-            raise DraftlabError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
-        if method == "chain" and k < 1:
-            raise DraftlabError(f"k must be >= 1, got {k}")
-        if method == "tree":
-            if not self.proposer.supports_tree:
-                raise DraftlabError(f"drafter '{self.proposer.name}' does not support method 'tree'")
-            if min(tree.depth, tree.top_k, tree.total_tokens) < 1:
-                raise DraftlabError(f"tree depth, top_k and total_tokens must be >= 1, got {tree}")
-        target, proposer = self.target, self.proposer
-        device = target.device
+        check_shape(shape, self.proposer.shapes, self.proposer.name)
+        device = self.target.device
+        step = self._chain_step if isinstance(shape, (Chain, Block)) else self._tree_step
         clock = _Clock(device)
         t0 = clock()
         prompt = _as_prompt(prompt_ids, device)
         sampling = _sampling(device, temperature, top_k, top_p, seed)
-        max_draft = k if method == "chain" else tree.total_tokens
         # Room for the prompt, every emitted token and one step's drafts beyond them.
-        cache = target.new_cache(1, prompt.numel() + max_new_tokens + max_draft + 1)
-        last, hidden = _prefill(target, prompt, proposer.layers, cache, sampling)
+        cache = self.target.new_cache(1, prompt.numel() + max_new_tokens + shape.max_nodes + 1)
+        last, hidden = _prefill(self.target, prompt, self.proposer.layers, cache, sampling)
         t1 = clock()
         res = GenerationResult([], prefill_time=t1 - t0)
-        em = _Emitter(max_new_tokens, _eos_set(eos_token_id))
+        proposer = _TimedProposer(self.proposer, clock)
+        em = _Emitter(max_new_tokens, _eos_set(eos_token_id), on_step)
         done = em.emit([last])
-        if on_step is not None:
-            on_step([last])
         if not done:
-            proposer.configure(sampling)
+            self.proposer.configure(sampling)
             proposer.start(prompt, hidden, last)
-            res.draft_time += clock() - t1
         while not done:
-            ta = clock()
-            if method == "chain":
-                draft = proposer.propose(k)
-                tb = clock()
-                emitted, kept_hidden, n, drafted, depth = self._chain_step(last, draft, k, cache, sampling)
-            else:
-                dtree = proposer.propose_tree(tree)
-                tb = clock()
-                emitted, kept_hidden, n, drafted, depth = self._tree_step(last, dtree, tree, cache, sampling)
-            tc = clock()
-            res.draft_time += tb - ta
-            res.verify_time += tc - tb
-            res.accept_lengths.append(n)
-            res.num_drafted.append(drafted)
-            res.draft_depths.append(depth)
-            before = len(em.tokens)
-            done = em.emit(emitted)
-            last = emitted[-1]
-            if on_step is not None:
-                on_step(em.tokens[before:])
+            s = step(proposer, last, shape, cache, sampling)
+            res.accept_lengths.append(s.accepted)
+            res.num_drafted.append(s.drafted)
+            res.draft_depths.append(s.depth)
+            done = em.emit(s.tokens)
+            last = s.tokens[-1]
             if not done:
-                td = clock()
-                proposer.advance(torch.tensor(emitted, dtype=torch.long, device=device), kept_hidden)
-                res.draft_time += clock() - td
+                proposer.advance(torch.tensor(s.tokens, dtype=torch.long, device=device), s.hidden)
+        t2 = clock()
         res.tokens, res.stop_reason, res.num_steps = em.tokens, em.stop_reason, len(res.accept_lengths)
-        res.total_time = clock() - t0
+        res.draft_time = proposer.seconds
+        res.verify_time = t2 - t1 - proposer.seconds
+        res.total_time = t2 - t0
         return res
 
-    # ------------------------------------------------------------------ one chain step
-    def _chain_step(self, last: int, draft: ChainDraft, k: int, cache, sampling: Sampling):
-        target, device = self.target, self.target.device
-        drafts = draft.tokens.reshape(-1).to(device=device, dtype=torch.long)
-        nd = drafts.numel()
-        if nd > k:
-            raise ValueError(f"proposer '{self.proposer.name}' drafted {nd} tokens, more than k={k}")
+    # ------------------------------------------------------------------ one chain (or block) step
+    def _chain_step(self, proposer, last: int, shape: Chain | Block, cache, sampling: Sampling) -> _Step:
+        drafts, draft_probs = self._chain_draft(proposer.propose(shape), shape)
         past = cache.length
-        inputs = torch.cat([torch.tensor([last], dtype=torch.long, device=device), drafts])[None]
-        out = target(inputs, layers=list(self.proposer.layers), cache=cache, logits="all")
-        logits = out.logits[0]  # [nd + 1, V]: row j = target after input j
-        if nd == 0:  # nothing to verify: a plain decoding step
-            emitted, n = [_next_token(sampling, logits[0])], 0
-        else:
-            cu = torch.tensor([0, nd], dtype=torch.long, device=device)
-            if sampling.greedy:
-                toks, num = chain_verify_greedy(drafts, cu, logits.max(-1).indices, backend=self.backend)
-            else:
-                q = draft.probs
-                if q is not None:
-                    q = q.to(device=device, dtype=torch.float32)
-                    if q.shape != (nd, logits.shape[-1]):
-                        raise ValueError(f"proposer '{self.proposer.name}': draft probs {list(q.shape)} != [{nd}, {logits.shape[-1]}]")
-                gen = sampling.generator
-                uniforms = torch.rand(nd, dtype=torch.float64, device=device, generator=gen)
-                noise = torch.empty(nd + 1, logits.shape[-1], device=device).exponential_(generator=gen)
-                toks, num = chain_verify_sampling(drafts, cu, sampling.probs(logits), q, uniforms, noise, backend=self.backend)
-            n = int(num[0])
-            emitted = toks[0, : n + 1].tolist()
+        inputs = torch.cat([drafts.new_tensor([last]), drafts])[None]
+        out = self.target(inputs, layers=list(proposer.layers), cache=cache, logits="all")
+        tokens, n = accept_chain(drafts, out.logits[0], sampling, draft_probs, self.backend)
         cache.crop(past + n + 1)  # keep the last token and the accepted drafts
         kept = {i: h[:, : n + 1] for i, h in out.hidden.items()}
-        return emitted, kept, n, nd, nd
+        return _Step(tokens, n, drafts.numel(), drafts.numel(), kept)
+
+    def _chain_draft(self, draft: ChainDraft, shape: Chain | Block):
+        """The draft's tokens and probabilities on the target's device, checked against ``shape``."""
+        device, vocab = self.target.device, self.target.vocab_size
+        drafts = draft.tokens.reshape(-1).to(device=device, dtype=torch.long)
+        nd = drafts.numel()
+        if nd > shape.k:
+            raise ValueError(f"proposer '{self.proposer.name}' drafted {nd} tokens, more than k={shape.k}")
+        q = draft.probs
+        if q is not None:
+            q = q.to(device=device, dtype=torch.float32)
+            if q.shape != (nd, vocab):
+                raise ValueError(f"proposer '{self.proposer.name}': draft probs {list(q.shape)} != [{nd}, {vocab}]")
+        return drafts, q
 
     # ------------------------------------------------------------------ one tree step
-    def _tree_step(self, last: int, dtree, spec: TreeSpec, cache, sampling: Sampling):
-        target, device = self.target, self.target.device
-        V = target.vocab_size
-        dtree = DraftTree(*(t.reshape(-1).to(device=device, dtype=torch.long) for t in (dtree.tokens, dtree.parents, dtree.depth)))
-        validate_tree(dtree, V)
-        nd = dtree.tokens.numel()
-        if nd > spec.total_tokens:
-            raise ValueError(f"proposer '{self.proposer.name}' drafted {nd} tree nodes, more than total_tokens={spec.total_tokens}")
-        if nd and int(dtree.depth.max()) > spec.depth:
-            raise ValueError(f"proposer '{self.proposer.name}' drafted a tree deeper than depth={spec.depth}")
+    def _tree_step(self, proposer, last: int, shape: Shape, cache, sampling: Sampling) -> _Step:
+        tree = self._checked_tree(proposer.propose(shape), shape)
         past = cache.length
-        vi = tree_verify_inputs(last, dtree)
-        out = target(
+        vi = tree_verify_inputs(last, tree)
+        out = self.target(
             vi.tokens[None],
-            layers=list(self.proposer.layers),
+            layers=list(proposer.layers),
             cache=cache,
             position_ids=vi.position_ids(past),
             attn_mask=vi.attn_mask(past),
             logits="all",
         )
-        logits = out.logits  # [1, nd + 1, V]: row n = target after node n
-        if nd == 0:
-            path = torch.zeros(1, dtype=torch.long, device=device)
-            emitted, n = [_next_token(sampling, logits[0, 0])], 0
-        else:
-            if sampling.greedy:
-                path, toks, num = tree_verify_greedy(vi.tokens[None], vi.parents[None], logits.max(-1).indices, backend=self.backend)
-            else:
-                gen = sampling.generator
-                uniforms = torch.rand(1, nd + 1, dtype=torch.float64, device=device, generator=gen)
-                noise = torch.empty(1, nd + 1, V, device=device).exponential_(generator=gen)
-                path, toks, num = tree_verify_sampling(
-                    vi.tokens[None], vi.parents[None], sampling.probs(logits), uniforms, noise, backend=self.backend
-                )
-            n = int(num[0])
-            path = path[0]
-            emitted = toks[0, : n + 1].tolist()
-        cache.keep(past, accepted_slots(past, path, n))
-        kept = {i: h[:, path[: n + 1]] for i, h in out.hidden.items()}
-        return emitted, kept, n, nd, vi.max_depth
+        path, tokens, n = accept_tree(vi.tokens, vi.parents, out.logits[0], sampling, self.backend)
+        cache.keep(past, accepted_slots(past, path, n))  # keep the root and the accepted path
+        kept = {i: h[:, path] for i, h in out.hidden.items()}
+        return _Step(tokens, n, tree.tokens.numel(), vi.max_depth, kept)
+
+    def _checked_tree(self, tree: DraftTree, shape: Shape) -> DraftTree:
+        """The tree on the target's device, validated and within ``shape``'s bounds."""
+        device = self.target.device
+        tree = DraftTree(*(t.reshape(-1).to(device=device, dtype=torch.long) for t in (tree.tokens, tree.parents, tree.depth)))
+        validate_tree(tree, self.target.vocab_size)
+        nd = tree.tokens.numel()
+        if nd > shape.max_nodes:
+            raise ValueError(f"proposer '{self.proposer.name}' drafted {nd} tree nodes, more than the {shape.kind} allows ({shape.max_nodes})")
+        if nd and int(tree.depth.max()) > shape.max_depth:
+            raise ValueError(f"proposer '{self.proposer.name}' drafted a tree deeper than the {shape.kind} allows ({shape.max_depth})")
+        return tree

@@ -1,40 +1,45 @@
-"""Proposer for EAGLE-1 and EAGLE-3 drafters: chain drafting and the EAGLE-2 dynamic tree.
+"""Proposer for EAGLE-1 and EAGLE-3 drafters: chains, the EAGLE-2 dynamic tree and EAGLE-1's
+static tree.
 
 The drafter keeps its own KV cache of *committed* positions, built from the target's real
 features. Drafting appends speculative positions (fed the drafter's own output features) and
 crops them away afterwards; ``advance`` then re-runs the accepted tokens with the target's
-real features, as EAGLE does.
+real features, as EAGLE does. Both trees are drafted level by level through
+:meth:`EagleProposer._draft_level`: one drafter forward per depth over that depth's nodes,
+each attending to the committed prefix, its ancestors' speculative positions and itself.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import ChainDraft, DraftTree, Proposer, TreeSpec
+from draftlab.errors import DraftlabError
+from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, StaticTree
 from draftlab.models.cpu_gemm import decoding_copy
 
 
+@PROPOSERS.register("eagle1", "eagle3")
 class EagleProposer(Proposer):
-    supports_tree = True
+    shapes = frozenset({"chain", "dynamic_tree", "static_tree"})
 
-    def __init__(self, drafter, min_confidence: float = 0.0):
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
+    def __init__(self, drafter):
         # A frozen copy whose linears run the few-row products of decoding on the CPU's faster GEMM
         # (models/cpu_gemm.py; on the AMD EPYC a 2-token drafter step went from 8.9 to 4.1 ms).
-        self.d = decoding_copy(drafter.eval())
+        self.drafter = decoding_copy(drafter.eval())
         self.name = drafter.algorithm
         self.layers = tuple(drafter.capture_layers)
-        # Dynamic draft length: a chain stops before the draft at which the product of the
-        # drafter's top-1 probabilities drops below this (0 = always k). A low-confidence step
-        # then costs a 1-token target forward instead of a (k+1)-token verify that would
-        # likely accept nothing, which pays where verifying is much dearer than one token.
-        self.min_confidence = min_confidence
+
+    def propose(self, shape):
+        if isinstance(shape, Chain):
+            return self._chain(shape.k, shape.min_confidence)
+        if isinstance(shape, DynamicTree):
+            return self._dynamic_tree(shape)
+        return self._static_tree(shape)
 
     # ---- committed state ---------------------------------------------------------
     @torch.no_grad()
     def start(self, prompt_ids, hidden, next_token):
-        self.cache = self.d.new_cache()
+        self.cache = self.drafter.new_cache()
         self.pos = 0
         prompt_ids = prompt_ids.view(1, -1)
         nxt = torch.tensor([[next_token]], device=prompt_ids.device)
@@ -48,39 +53,67 @@ class EagleProposer(Proposer):
     def _extend(self, tokens, hidden):
         n = tokens.shape[1]
         positions = torch.arange(self.pos, self.pos + n, device=tokens.device)[None]
-        h, logits = self.d.draft_step(tokens, self.d.features(hidden), positions, self.cache)
+        h, logits = self.drafter.draft_step(tokens, self.drafter.features(hidden), positions, self.cache)
         self.pos += n
         self.last_h, self.last_logits = h[:, -1:], logits[0, -1]
 
     # ---- chain -------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, k: int) -> ChainDraft:
+    def _chain(self, k: int, min_confidence: float) -> ChainDraft:
+        """Greedy drafts. Dynamic draft length: stop before the draft at which the product of the
+        drafter's top-1 probabilities drops below ``min_confidence``. A low-confidence step then
+        costs a 1-token target forward instead of a (k+1)-token verify that would likely accept
+        nothing, which pays where verifying is much dearer than one token."""
         committed = self.cache.length
         h, logits = self.last_h, self.last_logits
         out = []
         confidence = 1.0
         for j in range(k):
             top = logits.max(-1, keepdim=True)
-            if self.min_confidence > 0:  # top-1 probability = exp(max logit - logsumexp)
+            if min_confidence > 0:  # top-1 probability = exp(max logit - logsumexp)
                 confidence *= float((top.values.float() - logits.float().logsumexp(-1)).exp())
-                if confidence < self.min_confidence:
+                if confidence < min_confidence:
                     break
-            tok = self.d.to_target_ids(top.indices)
+            tok = self.drafter.to_target_ids(top.indices)
             out.append(tok)
             if j + 1 < k:
                 pos = torch.full((1, 1), self.pos + j, device=tok.device)
-                h, lg = self.d.draft_step(tok.view(1, 1), h, pos, self.cache)
+                h, lg = self.drafter.draft_step(tok.view(1, 1), h, pos, self.cache)
                 logits = lg[0, -1]
         self.cache.crop(committed)
         tokens = torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=logits.device)
         return ChainDraft(tokens, None)  # greedy drafts = point-mass proposals
 
-    # ---- EAGLE-2 dynamic tree --------------------------------------------------------------
+    # ---- trees, level by level ---------------------------------------------------------
+    def _draft_level(self, frontier: list[int], tok: list[int], parent: list[int], slot: dict[int, int], feats,
+                     depth: int, committed: int):
+        """Run the nodes ``frontier`` (indices into ``tok`` / ``parent``, all at ``depth``; parent
+        -1 = the root) through the drafter in one forward, fed ``feats`` [1, n, H] (their parents'
+        output features). Node r attends to the committed prefix, its ancestors' slots and itself;
+        its own slot is recorded in ``slot``. Returns (output features [1, n, H], draft-vocab
+        log-probs of each node's next token [n, V_draft])."""
+        n, base = len(frontier), self.cache.length
+        dev = self.last_h.device
+        mask = torch.zeros(1, n, base + n, dtype=torch.bool, device=dev)
+        mask[0, :, :committed] = True
+        for r, i in enumerate(frontier):
+            a = parent[i]
+            while a >= 0:  # ancestors' speculative positions
+                mask[0, r, slot[a]] = True
+                a = parent[a]
+            mask[0, r, base + r] = True
+            slot[i] = base + r
+        toks = self.drafter.to_target_ids(torch.tensor([[tok[i] for i in frontier]], device=dev))
+        pos = torch.full((1, n), self.pos + depth - 1, device=dev)
+        h, logits = self.drafter.draft_step(toks, feats, pos, self.cache, mask)
+        return h, logits[0].float().log_softmax(-1)
+
     @torch.no_grad()
-    def propose_tree(self, spec: TreeSpec) -> DraftTree:
-        """Top-k at the root; each later depth expands the k best frontier nodes (by cumulative
-        log-prob) into k children each; all candidates are pooled and the ``total_tokens`` best
-        are kept (their ancestors always score at least as high, so the tree stays closed)."""
+    def _dynamic_tree(self, spec: DynamicTree) -> DraftTree:
+        """EAGLE-2: top-k at the root; each later depth expands the k best frontier nodes (by
+        cumulative log-prob) into k children each; all candidates are pooled and the
+        ``total_tokens`` best are kept (their ancestors always score at least as high, so the
+        tree stays closed)."""
         committed = self.cache.length
         dev = self.last_h.device
         k = spec.top_k
@@ -92,21 +125,8 @@ class EagleProposer(Proposer):
         feats = self.last_h.expand(1, len(frontier), -1)
         slot: dict[int, int] = {}  # pool index -> drafter cache slot of its expanded position
         for d in range(1, spec.depth):
-            n = len(frontier)
-            base = self.cache.length
-            mask = torch.zeros(1, n, base + n, dtype=torch.bool, device=dev)
-            mask[0, :, :committed] = True
-            for r, i in enumerate(frontier):
-                a = parent[i]
-                while a >= 0:  # ancestors' speculative positions
-                    mask[0, r, slot[a]] = True
-                    a = parent[a]
-                mask[0, r, base + r] = True
-                slot[i] = base + r
-            toks = self.d.to_target_ids(torch.tensor([[tok[i] for i in frontier]], device=dev))
-            pos = torch.full((1, n), self.pos + d - 1, device=dev)
-            h, logits = self.d.draft_step(toks, feats, pos, self.cache, mask)
-            clp, cid = logits[0].float().log_softmax(-1).topk(k, dim=-1)  # [n, k]
+            h, lp = self._draft_level(frontier, tok, parent, slot, feats, d, committed)
+            clp, cid = lp.topk(k, dim=-1)  # [n, k]
             cum = torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + clp
             first = len(tok)
             for r, i in enumerate(frontier):
@@ -129,7 +149,41 @@ class EagleProposer(Proposer):
                 kept.add(i)
         order = sorted(kept, key=lambda i: (depth[i], -scores[i]))
         node_of = {i: n + 1 for n, i in enumerate(order)}  # node 0 is the root
-        tokens = self.d.to_target_ids(torch.tensor([tok[i] for i in order], device=dev))
+        tokens = self.drafter.to_target_ids(torch.tensor([tok[i] for i in order], device=dev))
         parents = torch.tensor([node_of.get(parent[i], 0) for i in order], device=dev)
         depths = torch.tensor([depth[i] for i in order], device=dev)
         return DraftTree(tokens, parents, depths)
+
+    @torch.no_grad()
+    def _static_tree(self, shape: StaticTree) -> DraftTree:
+        """EAGLE-1's static tree: a node of rank r is its parent's r-th most likely next token,
+        so each node with children is expanded once, ranking the drafter's tokens given its
+        path; one drafter forward per depth."""
+        if shape.max_rank > self.last_logits.numel():
+            raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {self.last_logits.numel()}")
+        committed = self.cache.length
+        parent = (shape.parents - 1).tolist()  # node i + 1 -> index i; the root is -1
+        depth, rank = shape.depth.tolist(), shape.rank.tolist()
+        width: dict[int, int] = {}  # node index (-1 = root) -> candidates its children need
+        for i, p in enumerate(parent):
+            width[p] = max(width.get(p, 0), rank[i] + 1)
+        ranked = {-1: self.last_logits.topk(width[-1]).indices.tolist()}  # node -> its ranked next tokens
+        feat = {-1: self.last_h[0, 0]}  # node -> the output feature its children are fed
+        tok = [0] * len(parent)
+        slot: dict[int, int] = {}
+        for d in range(1, shape.max_depth + 1):
+            level = [i for i in range(len(parent)) if depth[i] == d]
+            for i in level:
+                tok[i] = ranked[parent[i]][rank[i]]
+            frontier = [i for i in level if i in width]
+            if not frontier:
+                break
+            feats = torch.stack([feat[parent[i]] for i in frontier])[None]
+            h, lp = self._draft_level(frontier, tok, parent, slot, feats, d, committed)
+            top = lp.topk(max(width[i] for i in frontier), dim=-1).indices.tolist()
+            for r, i in enumerate(frontier):
+                ranked[i], feat[i] = top[r][: width[i]], h[0, r]
+        self.cache.crop(committed)
+        dev = self.last_h.device
+        tokens = self.drafter.to_target_ids(torch.tensor(tok, device=dev))
+        return DraftTree(tokens, shape.parents.to(dev), shape.depth.to(dev))

@@ -9,6 +9,7 @@ first (allocator, kernel compilation). Metrics come from :mod:`draftlab.inferenc
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
 from pathlib import Path
@@ -16,10 +17,21 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.decoder import METHODS, SpeculativeDecoder, generate_plain
+from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prompts import DATA_SETS, EvalPrompt
-from draftlab.inference.proposer import Proposer, TreeSpec
+from draftlab.inference.proposer import (
+    CHOICES_EXAMPLE,
+    METHODS,
+    Chain,
+    DynamicTree,
+    Proposer,
+    Shape,
+    StaticTree,
+    load_proposer,
+    make_shape,
+    shape_fields,
+)
 
 
 class _Totals:
@@ -71,9 +83,7 @@ def evaluate(
     target,
     proposer: Proposer,
     prompts: list[EvalPrompt],
-    method: str = "chain",
-    k: int = 5,
-    tree: TreeSpec | None = None,
+    shape: Shape = Chain(5),
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -87,24 +97,22 @@ def evaluate(
     label: str | None = None,
     progress=None,
 ) -> dict:
-    """Run every prompt (prompt i uses seed ``seed + i``) and return the report dict.
-    ``progress(i, n, spec_result)`` is called after each prompt when given."""
+    """Run every prompt (prompt i uses seed ``seed + i``), drafting ``shape`` each step, and
+    return the report dict. ``progress(i, n, spec_result)`` is called after each prompt when given."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
-    tree = tree or TreeSpec()
     decoder = SpeculativeDecoder(target, proposer, backend=backend)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
-    shape = dict(method=method, k=k, tree=tree)
     if warmup:
         n = min(max_new_tokens, 16)
         generate_plain(target, prompts[0].prompt_ids, n, seed=seed, **sampling)
-        decoder.generate(prompts[0].prompt_ids, n, seed=seed, **shape, **sampling)
+        decoder.generate(prompts[0].prompt_ids, n, shape, seed=seed, **sampling)
     compare = baseline and temperature == 0.0
     total, by_cat = _Totals(), {}
     per_prompt = []
     for i, p in enumerate(prompts):
         run_base = lambda: generate_plain(target, p.prompt_ids, max_new_tokens, seed=seed + i, **sampling)  # noqa: E731
-        run_spec = lambda: decoder.generate(p.prompt_ids, max_new_tokens, seed=seed + i, **shape, **sampling)  # noqa: E731
+        run_spec = lambda: decoder.generate(p.prompt_ids, max_new_tokens, shape, seed=seed + i, **sampling)  # noqa: E731
         # Alternate which runs first so slow drift of the machine does not favour one side.
         if i % 2 == 0:
             base = run_base() if baseline else None
@@ -133,9 +141,7 @@ def evaluate(
         "drafter": proposer.name,
         "target": dict(getattr(target, "identity", {})),
         "data": data,
-        "method": method,
-        "k": k if method == "chain" else None,
-        "tree": vars(tree).copy() if method == "tree" else None,
+        **shape_fields(shape),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
@@ -160,11 +166,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``draftlab eval`` and ``draftlab generate``."""
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory, or 'ngram' (prompt lookup)")
     p.add_argument("--target", default="default", help="HF dir, hub id, .gguf file or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--method", choices=METHODS, default="chain")
-    p.add_argument("--k", type=int, default=5, help="chain: drafts per step")
-    p.add_argument("--tree-depth", type=int, default=TreeSpec.depth)
-    p.add_argument("--tree-topk", type=int, default=TreeSpec.top_k)
-    p.add_argument("--tree-total", type=int, default=TreeSpec.total_tokens, help="tree: draft nodes per step")
+    p.add_argument("--method", choices=list(METHODS), default="chain",
+                   help="draft shape: chain, tree (EAGLE-2 dynamic tree), static_tree (needs --tree-choices) or block")
+    p.add_argument("--k", type=int, default=5, help="chain and block: drafts per step")
+    p.add_argument("--tree-depth", type=int, default=DynamicTree.depth)
+    p.add_argument("--tree-topk", type=int, default=DynamicTree.top_k)
+    p.add_argument("--tree-total", type=int, default=DynamicTree.total_tokens, help="tree: draft nodes per step")
+    p.add_argument("--tree-choices", default=None,
+                   help="static_tree: a JSON list of paths of candidate ranks, e.g. '[[0], [1], [0, 0]]', or a .json file holding one")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -208,13 +217,40 @@ def check_decoding_options(args) -> None:
         raise DraftlabError(f"--lookup-min-match must be in 0..--ngram-max ({args.ngram_max}), got {args.lookup_min_match}")
 
 
+def tree_choices(value: str) -> StaticTree:
+    """``--tree-choices``: a JSON list of paths, or the path of a .json file holding one."""
+    try:
+        text = value if value.lstrip().startswith("[") else Path(value).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DraftlabError(f"--tree-choices: neither a JSON list nor a readable file: {value} ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        return StaticTree(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise DraftlabError(f"--tree-choices: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except DraftlabError as e:
+        raise DraftlabError(f"--tree-choices: {e}") from None
+
+
+def decoding_shape(args) -> Shape:
+    """The draft shape the flags ask for (a one-line error naming the flag), before any model loads."""
+    if args.tree_choices is not None and args.method != "static_tree":
+        raise DraftlabError("--tree-choices applies to --method static_tree")
+    if args.min_confidence and args.method != "chain":
+        raise DraftlabError("--min-confidence sets a chain's draft length: use --method chain")
+    if args.method == "static_tree":
+        if args.tree_choices is None:
+            raise DraftlabError(f"--method static_tree needs --tree-choices (paths of candidate ranks, e.g. '{CHOICES_EXAMPLE}')")
+        return tree_choices(args.tree_choices)
+    tree = dict(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
+    return make_shape(args.method, args.k, args.min_confidence, tree)
+
+
 def load_models(args) -> tuple:
-    """(target, proposer) from the shared flags."""
+    """(target, proposer, shape) from the shared flags; the flags are checked first."""
     from draftlab.models.target import Target
 
-    if args.method == "chain" and args.k < 1:
-        raise DraftlabError(f"--k must be >= 1, got {args.k}")
     check_decoding_options(args)
+    shape = decoding_shape(args)
     if args.drafter == "ngram" and (args.lookup_min_match or args.min_confidence):
         raise DraftlabError("--lookup-min-match and --min-confidence apply to a trained drafter, not to 'ngram'")
     if args.lookup_min_match and args.method != "chain":
@@ -226,21 +262,13 @@ def load_models(args) -> tuple:
     if args.drafter == "ngram":
         from draftlab.inference.ngram import NgramProposer
 
-        return target, NgramProposer(args.ngram_max, args.ngram_min)
-    try:
-        from draftlab.registry import load_proposer
-    except ImportError as e:
-        raise DraftlabError("loading drafter checkpoints needs draftlab.registry, not available in this version") from e
-    proposer = load_proposer(args.drafter, target, args.min_confidence)
+        return target, NgramProposer(args.ngram_max, args.ngram_min), shape
+    proposer = load_proposer(args.drafter, target)
     if args.lookup_min_match:
         from draftlab.inference.hybrid import LookupFirstProposer
 
         proposer = LookupFirstProposer(proposer, args.lookup_min_match, args.ngram_max)
-    return target, proposer
-
-
-def tree_spec(args) -> TreeSpec:
-    return TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
+    return target, proposer, shape
 
 
 def run(args) -> int:
@@ -252,7 +280,7 @@ def run(args) -> int:
         from draftlab.recipe import load_recipe
 
         data_spec = load_recipe(args.recipe).data
-    target, proposer = load_models(args)
+    target, proposer, shape = load_models(args)
     prompts = load_prompts(args.data, target.tokenizer, args.num_prompts, data_spec=data_spec)
 
     def progress(i, n, res):
@@ -262,9 +290,7 @@ def run(args) -> int:
         target,
         proposer,
         prompts,
-        method=args.method,
-        k=args.k,
-        tree=tree_spec(args),
+        shape=shape,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

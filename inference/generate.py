@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from draftlab.inference.decoder import SpeculativeDecoder
-from draftlab.inference.evaluate import add_model_arguments, load_models, tree_spec
+from draftlab.inference.evaluate import add_model_arguments, load_models
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prompts import chat_prompt_ids
 
@@ -41,7 +41,7 @@ class _Stream:
 
 
 def run(args) -> int:
-    target, proposer = load_models(args)
+    target, proposer, shape = load_models(args)
     decoder = SpeculativeDecoder(target, proposer, backend=args.backend)
     tok = target.tokenizer
     session = AcceptanceStats()
@@ -58,9 +58,7 @@ def run(args) -> int:
             res = decoder.generate(
                 chat_prompt_ids(tok, messages),
                 args.max_new_tokens,
-                method=args.method,
-                k=args.k,
-                tree=tree_spec(args),
+                shape,
                 temperature=args.temperature,
                 top_k=args.top_k,
                 top_p=args.top_p,

@@ -11,11 +11,11 @@ both are point masses or carry their own probabilities, so verification stays lo
 from __future__ import annotations
 
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import ChainDraft, Proposer, Sampling
+from draftlab.inference.proposer import Chain, ChainDraft, Proposer, Sampling
 
 
 class LookupFirstProposer(Proposer):
-    supports_tree = False
+    shapes = frozenset({"chain"})
 
     def __init__(self, drafter: Proposer, min_match: int = 2, n_max: int = 3):
         if not 1 <= min_match <= n_max:
@@ -35,12 +35,12 @@ class LookupFirstProposer(Proposer):
         self.drafter.start(prompt_ids, hidden, next_token)
         self.lookup.start(prompt_ids, hidden, next_token)
 
-    def propose(self, k: int) -> ChainDraft:
-        draft = self.lookup.propose(k)
+    def propose(self, shape: Chain) -> ChainDraft:
+        draft = self.lookup.propose(shape)
         if draft.tokens.numel():
             self.lookup_steps += 1
             return draft
-        return self.drafter.propose(k)
+        return self.drafter.propose(shape)
 
     def advance(self, accepted, hidden) -> None:
         self.drafter.advance(accepted, hidden)

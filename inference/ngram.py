@@ -11,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from draftlab.inference.proposer import ChainDraft, DraftTree, Proposer, TreeSpec
+from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
 
 
+@PROPOSERS.register("ngram")
 class NgramProposer(Proposer):
     name = "ngram"
     layers = ()
-    supports_tree = True
+    shapes = frozenset({"chain", "dynamic_tree"})
 
     def __init__(self, n_max: int = 3, n_min: int = 1, max_tree_matches: int = 64):
         if not 1 <= n_min <= n_max:
@@ -39,14 +40,20 @@ class NgramProposer(Proposer):
     def advance(self, accepted: torch.Tensor, hidden: dict) -> None:
         self._append(accepted.reshape(-1).tolist())
 
-    def propose(self, k: int) -> ChainDraft:
+    def propose(self, shape: Chain | DynamicTree) -> ChainDraft | DraftTree:
+        return self._chain(shape.k) if isinstance(shape, Chain) else self._tree(shape)
+
+    # ---------------------------------------------------------------- drafting
+    def _chain(self, k: int) -> ChainDraft:
         ctx = self.context
         for start, n in self._matches(limit=1):
             cont = ctx[start + n : start + n + k]
             return ChainDraft(torch.as_tensor(cont.copy(), dtype=torch.long, device=self._device))
         return ChainDraft(torch.zeros(0, dtype=torch.long, device=self._device))
 
-    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+    def _tree(self, spec: DynamicTree) -> DraftTree:
+        """The continuations of up to ``max_tree_matches`` earlier occurrences, merged into a
+        trie (prefix-shared), bounded by the shape's depth, children per node and total nodes."""
         ctx = self.context
         tokens: list[int] = []
         parents: list[int] = []

@@ -1,4 +1,5 @@
-"""Acceptance reports on disk: JSON (atomic), a Markdown table and a PNG of alpha_j by position.
+"""Acceptance reports on disk: JSON, a Markdown table and a PNG of alpha_j by position, each
+written atomically through :mod:`draftlab.atomic` (an unwritable path is a one-line error).
 
 A report is the dict :func:`draftlab.inference.evaluate.evaluate` returns. Training writes one
 after each checkpoint and passes the earlier ones as ``history``: the plot then shows one
@@ -8,27 +9,9 @@ alpha_j curve per checkpoint.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(report: dict, path) -> Path:
-    path = Path(path)
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
-    return path
+from draftlab.atomic import write_file, write_json, write_text
 
 
 def read_json(path) -> dict:
@@ -58,11 +41,16 @@ def markdown_table(report: dict) -> str:
 
 
 def _describe(report: dict) -> str:
-    if report.get("method") == "tree":
+    method = report.get("method")
+    if method == "tree":
         t = report.get("tree") or {}
         shape = f"tree depth={t.get('depth')} top_k={t.get('top_k')} total={t.get('total_tokens')}"
+    elif method == "static_tree":
+        shape = f"static tree of {len(report.get('static_tree') or [])} nodes"
     else:
-        shape = f"chain k={report.get('k')}"
+        shape = f"{method or 'chain'} k={report.get('k')}"
+        if report.get("min_confidence"):
+            shape += f" min_confidence={report['min_confidence']}"
     return (
         f"drafter `{report.get('drafter')}`, {shape}, data `{report.get('data')}`, "
         f"temperature {report.get('temperature')}, max_new_tokens {report.get('max_new_tokens')}"
@@ -102,7 +90,7 @@ def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Pa
         if ax.lines:
             ax.legend(fontsize=7)
         fig.tight_layout()
-        _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+        write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     finally:
         plt.close(fig)
     return path
@@ -112,9 +100,8 @@ def write_report(report: dict, path, history: list[dict] | None = None) -> dict[
     """Write ``path`` (JSON) plus ``.md`` and ``.png`` siblings. The plot has one curve per
     report of ``history`` (earlier checkpoints, oldest first) and one for ``report``."""
     path = Path(path)
-    out = {"json": write_json(report, path)}
-    md = path.with_suffix(".md")
-    _atomic_write(md, lambda tmp: Path(tmp).write_text(markdown(report)))
-    out["markdown"] = md
-    out["plot"] = plot_alpha(list(history or []) + [report], path.with_suffix(".png"))
-    return out
+    return {
+        "json": write_json(path, report),
+        "markdown": write_text(path.with_suffix(".md"), markdown(report)),
+        "plot": plot_alpha(list(history or []) + [report], path.with_suffix(".png")),
+    }

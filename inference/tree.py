@@ -1,7 +1,7 @@
 """Draft-tree utilities: turn a :class:`DraftTree` into the inputs of one tree-verify forward
 (tokens, ancestor-only attention, depth positions) and map the verifier's accepted path back
-to KV-cache slots. Static (Medusa-style) trees given as choice tuples are turned into the same
-parents/depth form, so dynamic and static trees share one verify path.
+to KV-cache slots. Dynamic and static trees (``proposer.DynamicTree`` / ``StaticTree``) are
+drafted as the same :class:`DraftTree`, so they share one verify path.
 
 Node numbering everywhere: node 0 is the root (the last verified token, not yet in the KV
 cache), draft i of the tree is node i + 1, and a parent always precedes its children.
@@ -96,53 +96,3 @@ def accepted_slots(start: int, path: torch.Tensor, num_accepted: int) -> torch.T
     """Absolute KV-cache slots of the kept path (root + ``num_accepted`` nodes): the tree's node
     n was written at slot ``start + n``; ascending because a parent precedes its children."""
     return start + path[: num_accepted + 1].long()
-
-
-@dataclass
-class StaticTree:
-    """A fixed tree shape given as Medusa-style choices: each tuple is a path of per-level
-    candidate ranks from the root, e.g. ``[(0,), (1,), (0, 0), (0, 1)]``. Node order: by
-    depth, then lexicographic (parents first), node i + 1 = ``choices[i]`` after sorting."""
-
-    choices: list[tuple[int, ...]]
-    parents: torch.Tensor  # Long[N], 0 = root
-    depth: torch.Tensor  # Long[N]
-    rank: torch.Tensor  # Long[N]: candidate rank at the node's own level (last entry of its path)
-
-    @classmethod
-    def from_choices(cls, choices) -> "StaticTree":
-        paths = sorted({tuple(int(c) for c in ch) for ch in choices}, key=lambda p: (len(p), p))
-        if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
-            raise ValueError("static tree: choices must be non-empty tuples of non-negative ranks")
-        index = {p: i + 1 for i, p in enumerate(paths)}
-        parents = []
-        for p in paths:
-            if len(p) > 1 and p[:-1] not in index:
-                raise ValueError(f"static tree: choice {p} has no parent {p[:-1]}")
-            parents.append(index[p[:-1]] if len(p) > 1 else 0)
-        return cls(
-            paths,
-            torch.tensor(parents, dtype=torch.long),
-            torch.tensor([len(p) for p in paths], dtype=torch.long),
-            torch.tensor([p[-1] for p in paths], dtype=torch.long),
-        )
-
-    @property
-    def max_depth(self) -> int:
-        return int(self.depth.max())
-
-    @property
-    def max_rank(self) -> int:
-        return int(self.rank.max()) + 1
-
-    def draft(self, candidates: torch.Tensor) -> DraftTree:
-        """Fill the shape from per-level candidates ``Long[D, K]`` (row d = the ranked tokens for
-        depth d + 1, e.g. Medusa head d's top-K): node tokens are ``candidates[depth-1, rank]``.
-        Distinct candidates per row keep siblings distinct."""
-        if candidates.shape[0] < self.max_depth or candidates.shape[1] < self.max_rank:
-            raise ValueError(
-                f"static tree needs candidates of at least [{self.max_depth}, {self.max_rank}], got {list(candidates.shape)}"
-            )
-        dev = candidates.device
-        tokens = candidates[self.depth.to(dev) - 1, self.rank.to(dev)]
-        return DraftTree(tokens, self.parents.to(dev), self.depth.to(dev))

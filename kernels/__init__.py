@@ -51,6 +51,13 @@ uniforms[b, c] <= r[tok_c] / sum(r) (float64) and otherwise setting r[tok_c] = 0
 accepted move to it; if none is, emit argmax(r / exp_noise[b, u]) as the correction; at a leaf
 emit argmax(target_probs[b, u] / exp_noise[b, u]) as the bonus. Siblings must carry distinct
 tokens (the drafter proposes distinct candidates per position); this is checked.
+
+The decoder's accept rule
+-------------------------
+:func:`accept_chain` and :func:`accept_tree` verify one sequence's step from the target's
+logits: they choose greedy or sampling, draw the verifier's coins and Exp(1) noise from
+``sampling.generator`` and call the verifiers above. A step with no drafts emits the plain
+decoding token, drawn like plain decoding draws it, so seeded streams match ``generate_plain``'s.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ from draftlab.errors import DraftlabError
 from draftlab.kernels import reference
 
 __all__ = [
+    "accept_chain",
+    "accept_tree",
     "chain_verify_greedy",
     "chain_verify_sampling",
     "tree_verify_greedy",
@@ -273,3 +282,47 @@ def tree_verify_sampling(tree_tokens, parents, target_probs, uniforms, exp_noise
     max_depth = _tree_layout(tree_tokens, parents, vocab)
     return _backend(backend, device).tree_verify_sampling(
         tree_tokens, parents, target_probs, uniforms.double(), exp_noise, max_depth)
+
+
+# ---------------------------------------------------------------------- the decoder's accept rule
+def accept_chain(drafts, target_logits, sampling, draft_probs=None, backend: str = "auto"):
+    """Verify one chain: ``drafts`` Long[K] (K may be 0), ``target_logits`` [K+1, V] (row j = the
+    target after input j of ``[last token, drafts...]``), ``sampling`` the generation's
+    :class:`~draftlab.inference.proposer.Sampling`, ``draft_probs`` Float[K, V] or None (point
+    masses; read only when sampling). Returns (emitted tokens: accepted drafts then the
+    correction or bonus token, number of drafts accepted)."""
+    k = drafts.numel()
+    if k == 0:  # nothing to verify: a plain decoding step
+        return [sampling.next_token(target_logits[0])], 0
+    cu = torch.tensor([0, k], dtype=torch.long, device=drafts.device)
+    if sampling.greedy:
+        out, num = chain_verify_greedy(drafts, cu, target_logits.max(-1).indices, backend=backend)
+    else:
+        gen = sampling.generator
+        uniforms = torch.rand(k, dtype=torch.float64, device=drafts.device, generator=gen)
+        noise = torch.empty(k + 1, target_logits.shape[-1], device=drafts.device).exponential_(generator=gen)
+        out, num = chain_verify_sampling(drafts, cu, sampling.probs(target_logits), draft_probs, uniforms, noise,
+                                         backend=backend)
+    n = int(num[0])
+    return out[0, : n + 1].tolist(), n
+
+
+def accept_tree(tokens, parents, target_logits, sampling, backend: str = "auto"):
+    """Verify one tree: ``tokens``, ``parents`` Long[N+1] with the root first (parent -1),
+    ``target_logits`` [N+1, V] (row n = the target after node n). Returns (path: Long[n+1], the
+    accepted node indices from the root 0; emitted tokens: accepted drafts then the correction
+    or bonus token; n, the number of drafts accepted)."""
+    size = tokens.numel()
+    if size == 1:  # the root alone: a plain decoding step
+        return torch.zeros(1, dtype=torch.long, device=tokens.device), [sampling.next_token(target_logits[0])], 0
+    logits = target_logits[None]
+    if sampling.greedy:
+        path, out, num = tree_verify_greedy(tokens[None], parents[None], logits.max(-1).indices, backend=backend)
+    else:
+        gen = sampling.generator
+        uniforms = torch.rand(1, size, dtype=torch.float64, device=tokens.device, generator=gen)
+        noise = torch.empty(1, size, logits.shape[-1], device=tokens.device).exponential_(generator=gen)
+        path, out, num = tree_verify_sampling(tokens[None], parents[None], sampling.probs(logits), uniforms, noise,
+                                              backend=backend)
+    n = int(num[0])
+    return path[0, : n + 1], out[0, : n + 1].tolist(), n

@@ -15,6 +15,6 @@ if [ "${1:-}" = "test" ]; then
   # Peer loaders the export tests load our checkpoints with. --no-deps: speculators pins an
   # older transformers/datasets and pulls torchvision (which breaks beside this torch build);
   # the modules the tests use need only the few packages on the second line.
-  .venv/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 eagle-llm==1.2.1
+  .venv/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 eagle-llm==1.2.1 medusa-llm==0.1
   .venv/bin/pip install -q -c scripts/constraints.txt loguru pydantic-settings openai aiohttp
 fi

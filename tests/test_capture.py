@@ -1,30 +1,29 @@
-"""Capture stage: layer presets, online capture == HF forward (padding-aware), offline shards
-(resume after a kill is byte-identical, checksums, refusals) and the OfflineDataset round trip."""
+"""Capture stage: layer choice, online capture == HF forward (padding-aware), offline shards
+(resume after a kill is byte-identical, checksums, refusals), the OfflineDataset round trip and
+the trainer's FeatureSource in its three modes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from draftlab.data.capture import (
-    OfflineDataset,
-    capture_batch,
-    capture_offline,
-    collate_captured,
-    plan_batches,
-    plan_shards,
-    resolve_layers,
-)
+from draftlab.data.capture import capture_batch, resolve_layers
 from draftlab.data.dataset import collate
+from draftlab.data.features import FeatureSource
+from draftlab.data.offline import capture_offline, plan_batches, plan_shards
+from draftlab.data.offline_dataset import OfflineDataset
 from draftlab.errors import DraftlabError
+from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
 
 
 def make_samples(vocab: int, n: int = 9, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict]:
@@ -41,13 +40,21 @@ def files_of(d: Path) -> dict[str, bytes]:
 
 
 # ------------------------------------------------------------------------------ layers
-def test_resolve_layers_presets_and_validation():
+def test_resolve_layers_families_indices_and_validation(monkeypatch):
+    from draftlab.models.drafter import DRAFTERS
+
     assert resolve_layers("eagle1", 30) == [30]
     assert resolve_layers("eagle3", 30) == [2, 15, 27, 30]
     assert resolve_layers("EAGLE3", 32) == [2, 16, 29, 32]
     assert resolve_layers("2,15,27", 30) == [2, 15, 27, 30]
     assert resolve_layers([0, 30, 5, 5], 30) == [0, 5, 30]
-    for bad in ("eagle9", "2,x", [31], [-1], "40", [True]):
+    # any registered family names its layers: nothing in capture knows the families
+    toy = type("ToyDrafter", (), {"default_capture_layers": classmethod(lambda cls, L: [1, L - 1])})
+    monkeypatch.setitem(DRAFTERS._items, "toy", toy)
+    assert resolve_layers("toy", 30) == [1, 29, 30]
+    with pytest.raises(DraftlabError, match="layers: unknown drafter family 'eagle9'"):
+        resolve_layers("eagle9", 30)
+    for bad in ("2,x", "", [31], [-1], "40", [True]):
         with pytest.raises(DraftlabError, match="layers"):
             resolve_layers(bad, 30)
 
@@ -75,16 +82,11 @@ def test_capture_equals_hf_forward(tiny_target_dirs, family):
     target = Target.load(str(tiny_target_dirs[family]))
     L = target.num_layers
     ids = make_samples(target.vocab_size, n=1, lo=20, hi=21)[0]["input_ids"][None]
-    got = capture_batch(target, ids, None, [0, 1, 2, L], logits="full")
+    got = capture_batch(target, ids, [0, 1, 2, L])
     ref = target.model(ids, output_hidden_states=True)
-    assert sorted(got["hidden"]) == [0, 1, 2, L]
-    for layer, h in got["hidden"].items():
+    assert sorted(got) == [0, 1, 2, L]
+    for layer, h in got.items():
         torch.testing.assert_close(h, ref.hidden_states[layer], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got["logits"], ref.logits, rtol=1e-5, atol=1e-5)
-    topk = capture_batch(target, ids, None, "eagle1", logits="topk", topk=5)
-    ref_lp = torch.log_softmax(ref.logits, -1).topk(5, -1)
-    assert torch.equal(topk["topk_indices"], ref_lp.indices)
-    torch.testing.assert_close(topk["topk_values"], ref_lp.values, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -158,32 +160,24 @@ def test_padded_batch_equals_unpadded_samples(tiny_llama, side):
             n = s["input_ids"].numel()
             ids[r] = torch.roll(ids[r], ids.shape[1] - n)
             mask[r] = torch.roll(mask[r], ids.shape[1] - n)
-    got = capture_batch(target, ids, mask, "eagle3", logits="topk", topk=4)
+    got = capture_batch(target, ids, "eagle3", mask)
+    assert sorted(got) == resolve_layers("eagle3", target.num_layers)
     for r, s in enumerate(samples):
-        single = capture_batch(target, s["input_ids"][None], None, "eagle3", logits="topk", topk=4)
+        single = capture_batch(target, s["input_ids"][None], "eagle3")
         real = mask[r].bool()
-        for layer in resolve_layers("eagle3", target.num_layers):
-            torch.testing.assert_close(got["hidden"][layer][r][real], single["hidden"][layer][0], rtol=1e-5, atol=1e-5)
-        assert torch.equal(got["topk_indices"][r][real], single["topk_indices"][0])
-    for h in got["hidden"].values():
+        for layer, h in got.items():
+            torch.testing.assert_close(h[r][real], single[layer][0], rtol=1e-5, atol=1e-5)
+    for h in got.values():
         assert torch.isfinite(h).all()
 
 
 def test_online_outputs_usable_for_training(tiny_llama):
     """Captured states must be ordinary tensors: a drafter's backward pass saves them."""
     ids = make_samples(tiny_llama.vocab_size, n=1)[0]["input_ids"][None]
-    h = capture_batch(tiny_llama, ids, None, "eagle1")["hidden"][tiny_llama.num_layers]
+    h = capture_batch(tiny_llama, ids, "eagle1")[tiny_llama.num_layers]
     w = torch.zeros(h.shape[-1], 3, requires_grad=True)
     (h @ w).sum().backward()
     torch.testing.assert_close(w.grad[:, 0], h[0].sum(0))
-
-
-def test_bad_online_arguments(tiny_llama):
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(DraftlabError, match="logits"):
-        capture_batch(tiny_llama, ids, None, "eagle1", logits="some")
-    with pytest.raises(DraftlabError, match="topk"):
-        capture_batch(tiny_llama, ids, None, "eagle1", logits="topk", topk=0)
 
 
 # ------------------------------------------------------------------------------ offline
@@ -192,7 +186,7 @@ def test_offline_roundtrip_float32_exact(tiny_llama, tmp_path):
     samples = make_samples(target.vocab_size)
     # batch_tokens=1: every sample runs alone, the same forward as the online single-sample call
     res = capture_offline(target, samples, tmp_path / "c", "eagle3", storage_dtype="float32", shard_tokens=50,
-                          batch_tokens=1, logits="topk", topk=3, progress=False)
+                          batch_tokens=1, progress=False)
     m = res.manifest
     assert m["complete"] and m["num_samples"] == len(samples) and len(m["shards"]) > 2
     assert m["layers"] == resolve_layers("eagle3", target.num_layers) and m["target"] == target.identity
@@ -201,25 +195,12 @@ def test_offline_roundtrip_float32_exact(tiny_llama, tmp_path):
     assert len(ds) == len(samples) and ds.lengths() == [s["input_ids"].numel() for s in samples]
     for i, s in enumerate(samples):
         item = ds[i]
-        online = capture_batch(target, s["input_ids"][None], None, "eagle3", logits="topk", topk=3)
+        online = capture_batch(target, s["input_ids"][None], "eagle3")
         assert torch.equal(item["input_ids"], s["input_ids"]) and item["input_ids"].dtype == torch.long
         assert torch.equal(item["loss_mask"], s["loss_mask"])
         assert sorted(item["hidden"]) == m["layers"]
         for layer, h in item["hidden"].items():
-            assert h.dtype == torch.float32 and torch.equal(h, online["hidden"][layer][0])
-        assert torch.equal(item["topk_values"], online["topk_values"][0])
-        assert torch.equal(item["topk_indices"], online["topk_indices"][0])
-    # a padded batch of offline samples has the online batch's shape and values on real tokens
-    batch = collate_captured([ds[i] for i in range(4)], pad_id=2)
-    ref_in = collate(samples[:4], pad_id=2)
-    online = capture_batch(target, ref_in["input_ids"], ref_in["attention_mask"], "eagle3", logits="topk", topk=3)
-    for key in ("input_ids", "loss_mask", "attention_mask"):
-        assert torch.equal(batch[key], ref_in[key])
-    real = ref_in["attention_mask"].bool()
-    for layer, h in online["hidden"].items():
-        assert batch["hidden"][layer].shape == h.shape and (batch["hidden"][layer][~real] == 0).all()
-        torch.testing.assert_close(batch["hidden"][layer][real], h[real], rtol=1e-5, atol=1e-5)
-    assert torch.equal(batch["topk_indices"][real], online["topk_indices"][real])
+            assert h.dtype == torch.float32 and torch.equal(h, online[layer][0])
 
 
 def test_offline_roundtrip_bfloat16_batched(tiny_llama, tmp_path):
@@ -231,9 +212,9 @@ def test_offline_roundtrip_bfloat16_batched(tiny_llama, tmp_path):
     assert res.manifest["bytes_per_token"] == 3 * H * 2 + 5
     ds = OfflineDataset(tmp_path / "c")
     for i, s in enumerate(samples):
-        online = capture_batch(target, s["input_ids"][None], None, [2, 3])
+        online = capture_batch(target, s["input_ids"][None], [2, 3])
         for layer in (2, 3, L):
-            ref = online["hidden"][layer][0]
+            ref = online[layer][0]
             # bf16 keeps 8 mantissa bits: relative error <= 2^-8 per element
             torch.testing.assert_close(ds[i]["hidden"][layer], ref, rtol=2**-8, atol=1e-6)
 
@@ -271,7 +252,7 @@ import sys, time, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads({threads})
 from test_capture import make_samples
-from draftlab.data.capture import capture_offline
+from draftlab.data.offline import capture_offline
 from draftlab.models.target import Target
 target = Target.load({target!r})
 samples = make_samples(target.vocab_size, n=14, seed=5)
@@ -394,6 +375,74 @@ def test_incomplete_capture_is_not_readable(tiny_llama, tmp_path):
         OfflineDataset(tmp_path / "c")
     with pytest.raises(DraftlabError, match="manifest"):
         OfflineDataset(tmp_path / "nothing")
+
+
+def test_capture_of_another_format_version_is_not_readable(tiny_llama, tmp_path):
+    capture_offline(tiny_llama, make_samples(tiny_llama.vocab_size, n=3), tmp_path / "c", "eagle1", progress=False)
+    path = tmp_path / "c" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 1}))
+    with pytest.raises(DraftlabError, match="capture format version 1, this draftlab reads 2"):
+        OfflineDataset(tmp_path / "c")
+    path.write_text("[]")
+    with pytest.raises(DraftlabError, match="not a draftlab capture manifest"):
+        OfflineDataset(tmp_path / "c")
+
+
+# ------------------------------------------------------------------------------ feature source
+def eagle3_drafter(target, samples):
+    return Eagle3Drafter.build(Eagle3Config(draft_vocab_size=0), target, samples)
+
+
+def test_feature_source_modes_agree(tiny_llama, tmp_path):
+    """The trainer's three feature modes give one micro-batch the same hidden states and
+    derived targets on real tokens; the cached and offline ones are zeros at padding."""
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=6, seed=4)
+    drafter = eagle3_drafter(target, samples)
+    data = {"source": "x", "max_length": 64}
+    # batch_tokens=1: every sample runs alone, so float32 shards hold its unpadded states exactly
+    capture_offline(target, samples, tmp_path / "c", drafter.capture_layers, storage_dtype="float32",
+                    batch_tokens=1, data_spec={**data, "split": "train"}, progress=False)
+    source = {mode: FeatureSource(SimpleNamespace(mode=mode, offline_dir=str(tmp_path / "c")), target, drafter, samples, data)
+              for mode in ("online", "memory", "offline")}
+    indices = [3, 0, 5]
+    batch = collate([samples[i] for i in indices], pad_id=2)
+    real = batch["attention_mask"].bool()
+    online_hidden, online_batch = source["online"].features(indices, batch)
+    assert sorted(online_hidden) == drafter.capture_layers and "target_argmax" in online_batch
+    first, _ = source["memory"].features(indices, batch)  # first sight: each sample computed alone
+    assert sorted(source["memory"].memory) == sorted(indices)
+    offline, _ = source["offline"].features(indices, batch)  # also captured one sample per forward
+    assert all(torch.equal(first[layer], offline[layer]) for layer in first)
+    for mode in ("memory", "offline"):  # memory: from the cache now
+        hidden, out = source[mode].features(indices, batch)
+        for key in batch:
+            assert torch.equal(out[key], batch[key]), key
+        for layer, h in hidden.items():
+            assert h.shape == online_hidden[layer].shape and (h[~real] == 0).all()
+            torch.testing.assert_close(h[real], online_hidden[layer][real], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out["target_argmax"][real], online_batch["target_argmax"][real])
+    sub = [5, 3]  # cached samples batch in any composition
+    hidden, _ = source["memory"].features(sub, collate([samples[i] for i in sub], pad_id=2))
+    assert torch.equal(hidden[2][1, : samples[3]["input_ids"].numel()], first[2][0][real[0]])
+
+
+def test_feature_source_refuses_a_capture_of_other_data(tiny_llama, tmp_path):
+    target = tiny_llama
+    samples = make_samples(target.vocab_size, n=4)
+    drafter = eagle3_drafter(target, samples)
+    data = {"source": "x", "max_length": 64}
+    capture_offline(target, samples, tmp_path / "c", "eagle1", data_spec={**data, "split": "train"}, progress=False)
+    spec = SimpleNamespace(mode="offline", offline_dir=str(tmp_path / "c"))
+    where = re.escape(f"capture.offline_dir {tmp_path / 'c'}: ")
+    with pytest.raises(DraftlabError, match=where + "captured from a different data section"):
+        FeatureSource(spec, target, drafter, samples, {**data, "max_length": 32})
+    with pytest.raises(DraftlabError, match=where + re.escape("lacks hidden-state layers [1, 2]")):
+        FeatureSource(spec, target, drafter, samples, data)
+    eagle1 = Eagle1Drafter.build(Eagle1Config(), target)  # reads only what was captured
+    with pytest.raises(DraftlabError, match=where + "4 captured samples but the data section gives 3"):
+        FeatureSource(spec, target, eagle1, samples[:3], data)
+    assert len(FeatureSource(spec, target, eagle1, samples, data).offline) == 4
 
 
 # ------------------------------------------------------------------------------ CLI

@@ -12,8 +12,17 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import ChainDraft, DraftTree, Proposer, TreeSpec, process_logits
-from draftlab.inference.tree import StaticTree, ancestor_mask, tree_verify_inputs, validate_tree
+from draftlab.inference.proposer import (
+    Block,
+    Chain,
+    ChainDraft,
+    DraftTree,
+    DynamicTree,
+    Proposer,
+    StaticTree,
+    process_logits,
+)
+from draftlab.inference.tree import ancestor_mask, tree_verify_inputs, validate_tree
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens"
 REF_LEN = 40
@@ -45,7 +54,7 @@ class OracleProposer(Proposer):
     given so the test can check them against a fresh full forward."""
 
     name = "oracle"
-    supports_tree = True
+    shapes = frozenset({"chain", "dynamic_tree"})
 
     def __init__(self, ref, vocab, corrupt=0.3, seed=0, layers=()):
         self.ref, self.vocab, self.corrupt = list(ref), vocab, corrupt
@@ -66,11 +75,14 @@ class OracleProposer(Proposer):
     def _wrong(self, tok):
         return (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab  # never == tok
 
-    def propose(self, k):
+    def propose(self, shape):
+        return self._chain(shape.k) if isinstance(shape, (Chain, Block)) else self._tree(shape)
+
+    def _chain(self, k):
         true = self.ref[self.pos : self.pos + k]
         return ChainDraft(torch.tensor([self._wrong(t) if self.rng.random() < self.corrupt else t for t in true], dtype=torch.long))
 
-    def propose_tree(self, spec):
+    def _tree(self, spec):
         """Along the true path, each level gets a wrong first sibling (with a wrong child of its
         own), then the true token -- unless it is 'corrupted' away, which ends the path."""
         tokens, parents, depth = [], [], []
@@ -100,7 +112,7 @@ class PerturbedProposer(Proposer):
     ``point_mass`` it drafts the argmax and returns no probs."""
 
     name = "perturbed"
-    supports_tree = True
+    shapes = frozenset({"chain", "dynamic_tree"})
 
     def __init__(self, target, scale=1.5, seed=0, point_mass=False):
         g = torch.Generator().manual_seed(seed)
@@ -116,7 +128,10 @@ class PerturbedProposer(Proposer):
     def _logits(self, seqs):
         return self.target(torch.tensor(seqs), logits="last").logits[:, -1] + self.bias
 
-    def propose(self, k):
+    def propose(self, shape):
+        return self._chain(shape.k) if isinstance(shape, Chain) else self._tree()
+
+    def _chain(self, k):
         seq, toks, probs = list(self.ctx), [], []
         for _ in range(k):
             logits = self._logits([seq])[0]
@@ -130,7 +145,7 @@ class PerturbedProposer(Proposer):
             seq.append(tok)
         return ChainDraft(torch.tensor(toks), torch.stack(probs) if probs else None)
 
-    def propose_tree(self, spec):
+    def _tree(self):
         """Top-2 candidates at the root, top-2 under each: 6 nodes, depth 2 (point masses)."""
         first = self._logits([self.ctx])[0].topk(2).indices.tolist()
         second = self._logits([self.ctx + [t] for t in first]).topk(2, dim=-1).indices.tolist()
@@ -154,7 +169,7 @@ def _check_hidden(target, prompt, tokens, proposer):
 def test_chain_greedy_matches_plain_with_oracle(tiny_llama, ref, k):
     prompt = _prompt_ids(tiny_llama)
     prop = OracleProposer(ref, tiny_llama.vocab_size, corrupt=0.25, seed=k, layers=(2, tiny_llama.num_layers))
-    res = SpeculativeDecoder(tiny_llama, prop).generate(prompt, REF_LEN, method="chain", k=k)
+    res = SpeculativeDecoder(tiny_llama, prop).generate(prompt, REF_LEN, Chain(k))
     assert res.tokens == ref
     lengths = set(res.accept_lengths)
     assert 0 in lengths and k in lengths, res.accept_lengths  # rejections and full acceptances
@@ -168,8 +183,7 @@ def test_chain_greedy_matches_plain_with_oracle(tiny_llama, ref, k):
 def test_tree_greedy_matches_plain_with_oracle(tiny_llama, ref):
     prompt = _prompt_ids(tiny_llama)
     prop = OracleProposer(ref, tiny_llama.vocab_size, corrupt=0.3, seed=1, layers=(0, 3, tiny_llama.num_layers))
-    spec = TreeSpec(depth=4, top_k=2, total_tokens=12)
-    res = SpeculativeDecoder(tiny_llama, prop).generate(prompt, REF_LEN, method="tree", tree=spec)
+    res = SpeculativeDecoder(tiny_llama, prop).generate(prompt, REF_LEN, DynamicTree(depth=4, top_k=2, total_tokens=12))
     assert res.tokens == ref
     assert 0 in res.accept_lengths and max(res.accept_lengths) >= 3, res.accept_lengths
     assert len(set(res.accept_lengths)) >= 3, res.accept_lengths
@@ -185,48 +199,50 @@ def test_other_families_greedy_lossless(tiny_target_dirs, family):
     prompt = _prompt_ids(target)
     ref = generate_plain(target, prompt, 24).tokens
     dec = SpeculativeDecoder(target, OracleProposer(ref, target.vocab_size, corrupt=0.3, seed=2))
-    assert dec.generate(prompt, 24, method="chain", k=4).tokens == ref
+    assert dec.generate(prompt, 24, Chain(4)).tokens == ref
     dec = SpeculativeDecoder(target, OracleProposer(ref, target.vocab_size, corrupt=0.3, seed=3))
-    assert dec.generate(prompt, 24, method="tree", tree=TreeSpec(3, 2, 9)).tokens == ref
+    assert dec.generate(prompt, 24, DynamicTree(3, 2, 9)).tokens == ref
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
-def test_ngram_greedy_matches_plain(tiny_llama, method):
+@pytest.mark.parametrize("shape", [Chain(4), DynamicTree(4, 3, 16)], ids=["chain", "tree"])
+def test_ngram_greedy_matches_plain(tiny_llama, shape):
     # A repetitive prompt so prompt lookup finds matches (right or wrong ones).
     prompt = _prompt_ids(tiny_llama, "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n" * 3)
     ref = generate_plain(tiny_llama, prompt, 32).tokens
-    res = SpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompt, 32, method=method, k=4, tree=TreeSpec(4, 3, 16))
+    res = SpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompt, 32, shape)
     assert res.tokens == ref
     assert sum(res.num_drafted) > 0
 
 
 def test_perturbed_draft_greedy_matches_plain(tiny_llama, ref):
     prompt = _prompt_ids(tiny_llama)
-    res = SpeculativeDecoder(tiny_llama, PerturbedProposer(tiny_llama, scale=0.5)).generate(prompt, 24, k=3)
+    res = SpeculativeDecoder(tiny_llama, PerturbedProposer(tiny_llama, scale=0.5)).generate(prompt, 24, Chain(3))
     assert res.tokens == ref[:24]
 
 
 # ---------------------------------------------------------------------- stopping
-@pytest.mark.parametrize("method", ["chain", "tree"])
+SHAPES = [Chain(5), DynamicTree(5, 2, 16)]
+SHAPE_IDS = ["chain", "tree"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("m", [1, 2, 7, 13])
-def test_max_new_tokens_exact(tiny_llama, ref, method, m):
+def test_max_new_tokens_exact(tiny_llama, ref, shape, m):
     prop = OracleProposer(ref, tiny_llama.vocab_size, corrupt=0.0)
-    res = SpeculativeDecoder(tiny_llama, prop).generate(_prompt_ids(tiny_llama), m, method=method, k=5, tree=TreeSpec(5, 2, 16))
+    res = SpeculativeDecoder(tiny_llama, prop).generate(_prompt_ids(tiny_llama), m, shape)
     assert res.tokens == ref[:m] and res.stop_reason == "length"
     assert len(generate_plain(tiny_llama, _prompt_ids(tiny_llama), m).tokens) == m
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
-def test_eos_stops_inside_an_accepted_step(tiny_llama, ref, method):
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_eos_stops_inside_an_accepted_step(tiny_llama, ref, shape):
     j = next(i for i in range(6, len(ref)) if ref[i] not in ref[:i])
     eos = ref[j]
     prompt = _prompt_ids(tiny_llama)
     plain = generate_plain(tiny_llama, prompt, REF_LEN, eos_token_id=eos)
     assert plain.tokens == ref[: j + 1] and plain.stop_reason == "eos"
     prop = OracleProposer(ref, tiny_llama.vocab_size, corrupt=0.0)
-    res = SpeculativeDecoder(tiny_llama, prop).generate(
-        prompt, REF_LEN, method=method, k=5, tree=TreeSpec(5, 2, 16), eos_token_id=[999, eos]
-    )
+    res = SpeculativeDecoder(tiny_llama, prop).generate(prompt, REF_LEN, shape, eos_token_id=[999, eos])
     assert res.tokens == ref[: j + 1] and res.stop_reason == "eos"
     # eos was emitted with more accepted tokens behind it in the same step: they were dropped
     assert sum(res.accept_lengths) + len(res.accept_lengths) + 1 > len(res.tokens)
@@ -238,11 +254,11 @@ def test_eos_as_first_token(tiny_llama, ref):
 
 
 # ---------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("method", ["chain", "tree"])
-def test_sampling_is_reproducible(tiny_llama, method):
+@pytest.mark.parametrize("shape", [Chain(3), DynamicTree(2, 2, 6)], ids=SHAPE_IDS)
+def test_sampling_is_reproducible(tiny_llama, shape):
     prompt = _prompt_ids(tiny_llama)
     dec = SpeculativeDecoder(tiny_llama, PerturbedProposer(tiny_llama))
-    kw = dict(method=method, k=3, tree=TreeSpec(2, 2, 6), temperature=0.9, top_p=0.95)
+    kw = dict(shape=shape, temperature=0.9, top_p=0.95)
     a = dec.generate(prompt, 16, seed=7, **kw)
     b = dec.generate(prompt, 16, seed=7, **kw)
     c = dec.generate(prompt, 16, seed=8, **kw)
@@ -279,11 +295,11 @@ def _chi2_pvalue(counts: Counter, joint: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "method,point_mass",
-    [("chain", False), ("chain", True), ("tree", True)],
+    "shape,point_mass",
+    [(Chain(2), False), (Chain(2), True), (DynamicTree(2, 2, 6), True)],
     ids=["chain-draft-probs", "chain-point-mass", "tree-multi-candidate"],
 )
-def test_sampling_preserves_target_distribution(tiny_llama, method, point_mass):
+def test_sampling_preserves_target_distribution(tiny_llama, shape, point_mass):
     """The first three tokens (t0 from the prefill, t1 and t2 through verification) jointly
     follow the target's top-k=3 distribution: 27 cells, chi-square test."""
     prompt = _prompt_ids(tiny_llama)
@@ -293,7 +309,7 @@ def test_sampling_preserves_target_distribution(tiny_llama, method, point_mass):
     dec = SpeculativeDecoder(tiny_llama, prop)
     counts, steps = Counter(), Counter()
     for s in range(n):
-        r = dec.generate(prompt, 3, method=method, k=2, tree=TreeSpec(2, 2, 6), temperature=temperature, top_k=top_k, seed=s)
+        r = dec.generate(prompt, 3, shape, temperature=temperature, top_k=top_k, seed=s)
         counts[tuple(r.tokens)] += 1
         steps.update(r.accept_lengths[:1])
     assert len(steps) == 3, steps  # first verify step accepted 0, 1 and 2 drafts at times
@@ -334,23 +350,28 @@ def test_validate_tree_rejects_bad_trees():
 
 
 def test_static_tree_from_choices():
-    st = StaticTree.from_choices([(1,), (0, 0), (0,), (0, 1), (0, 0, 0)])
-    assert st.choices == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    st = StaticTree([(1,), (0, 0), (0,), (0, 1), (0, 0, 0)])
+    assert st.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
     assert st.parents.tolist() == [0, 0, 1, 1, 3] and st.depth.tolist() == [1, 1, 2, 2, 3]
     cand = torch.tensor([[10, 11], [20, 21], [30, 31]])
     tree = st.draft(cand)
     assert tree.tokens.tolist() == [10, 11, 20, 21, 30]
     validate_tree(tree, 100)
-    with pytest.raises(ValueError, match="no parent"):
-        StaticTree.from_choices([(0, 1)])
+    with pytest.raises(DraftlabError, match="no parent"):
+        StaticTree([(0, 1)])
+    for bad in ([], [[]], [[0, -1]], [[0.5]], 3, [["a"]]):
+        with pytest.raises(DraftlabError, match="paths of candidate ranks"):
+            StaticTree(bad)
 
 
 def test_static_tree_decodes_losslessly(tiny_llama, ref):
     """A Medusa-style static tree filled with the true token at a non-zero rank."""
-    st = StaticTree.from_choices([(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)])
+    st = StaticTree([(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)])
 
     class StaticOracle(OracleProposer):
-        def propose_tree(self, spec):
+        shapes = frozenset({"static_tree"})
+
+        def propose(self, shape):
             rows = []
             for d in range(3):
                 true = self.ref[min(self.pos + d, len(self.ref) - 1)]
@@ -358,7 +379,7 @@ def test_static_tree_decodes_losslessly(tiny_llama, ref):
             return st.draft(torch.tensor(rows))
 
     prop = StaticOracle(ref, tiny_llama.vocab_size)
-    res = SpeculativeDecoder(tiny_llama, prop).generate(_prompt_ids(tiny_llama), 20, method="tree", tree=TreeSpec(3, 2, 6))
+    res = SpeculativeDecoder(tiny_llama, prop).generate(_prompt_ids(tiny_llama), 20, st)
     assert res.tokens == ref[:20]
     assert set(res.accept_lengths) == {3}
 
@@ -367,18 +388,18 @@ def test_static_tree_decodes_losslessly(tiny_llama, ref):
 def test_ngram_chain_most_recent_longest_match():
     p = NgramProposer(n_max=3, n_min=1)
     p.start(torch.tensor([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2]), {}, 3)  # context ends "2 3"
-    assert p.propose(3).tokens.tolist() == [7, 8, 5]  # most recent "2 3" is followed by 7 8 5
+    assert p.propose(Chain(3)).tokens.tolist() == [7, 8, 5]  # most recent "2 3" is followed by 7 8 5
     p.advance(torch.tensor([7, 4]), {})  # ... "3 7 4": "3 7 4" and "7 4" unseen, "4" unseen
-    assert p.propose(3).tokens.numel() == 0
+    assert p.propose(Chain(3)).tokens.numel() == 0
     p.advance(torch.tensor([8]), {})  # ... "4 8": only "8" matches (at index 8), followed by 5 2 3
-    assert p.propose(2).tokens.tolist() == [5, 2]
+    assert p.propose(Chain(2)).tokens.tolist() == [5, 2]
 
 
 def test_ngram_tree_merges_continuations():
     p = NgramProposer(n_max=2, n_min=1)
     p.start(torch.tensor([4, 1, 5, 6, 4, 1, 7, 8, 4, 1, 5, 9, 0]), {}, 4)  # ends "0 4"
     # no earlier "0 4"; "4" occurs at 8, 4, 0 -> continuations "1 5 9", "1 7 8", "1 5 6"
-    tree = p.propose_tree(TreeSpec(depth=3, top_k=4, total_tokens=10))
+    tree = p.propose(DynamicTree(depth=3, top_k=4, total_tokens=10))
     validate_tree(tree, 20)
     paths = set()
     for leaf in range(1, tree.tokens.numel() + 1):
@@ -389,26 +410,29 @@ def test_ngram_tree_merges_continuations():
         paths.add(tuple(reversed(path)))
     assert {(1, 5, 9), (1, 7, 8), (1, 5, 6)} <= paths
     assert tree.tokens.numel() == 6  # shared prefixes merged: 1, 5, 9, 7, 8, 6
-    small = p.propose_tree(TreeSpec(depth=3, top_k=1, total_tokens=10))
+    small = p.propose(DynamicTree(depth=3, top_k=1, total_tokens=10))
     assert small.tokens.tolist() == [1, 5, 9]
 
 
 def test_bad_arguments(tiny_llama):
     dec = SpeculativeDecoder(tiny_llama, NgramProposer())
     prompt = _prompt_ids(tiny_llama)
-    for kw in (dict(method="beam"), dict(k=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1)):
+    for kw in (dict(shape="beam"), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1)):
         with pytest.raises(DraftlabError):
             dec.generate(prompt, 4, **kw)
+    for make in (lambda: Chain(0), lambda: Chain(3, min_confidence=1.0), lambda: Block(0), lambda: DynamicTree(0, 2, 4)):
+        with pytest.raises(DraftlabError):
+            make()
     with pytest.raises(DraftlabError, match="max_new_tokens"):
         generate_plain(tiny_llama, prompt, 0)
 
     class Greedy(OracleProposer):
-        def propose(self, k):
-            return ChainDraft(torch.tensor(self.ref[self.pos : self.pos + k + 1]))
+        def propose(self, shape):
+            return ChainDraft(torch.tensor(self.ref[self.pos : self.pos + shape.k + 1]))
 
     ref = generate_plain(tiny_llama, prompt, 8).tokens
     with pytest.raises(ValueError, match="more than k"):
-        SpeculativeDecoder(tiny_llama, Greedy(ref, tiny_llama.vocab_size)).generate(prompt, 8, k=2)
+        SpeculativeDecoder(tiny_llama, Greedy(ref, tiny_llama.vocab_size)).generate(prompt, 8, Chain(2))
 
 
 def test_process_logits_top_k_top_p():

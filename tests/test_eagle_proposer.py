@@ -1,11 +1,14 @@
 """The EAGLE proposer inside the real decoder: greedy output equals plain greedy decoding
-(chain and EAGLE-2 tree), and its committed drafter state never drifts from a fresh prefill."""
+(chain, EAGLE-2 dynamic tree and EAGLE-1 static tree), sampled trees run, and its committed
+drafter state never drifts from a fresh prefill."""
 
 import pytest
 import torch
 
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
-from draftlab.inference.proposer import TreeSpec
+from draftlab.inference.eagle import EagleProposer
+from draftlab.inference.proposer import PROPOSERS, Chain, DynamicTree, StaticTree
+from draftlab.inference.tree import validate_tree
 from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
 
 
@@ -18,26 +21,66 @@ def _drafter(algo, target):
     return Eagle1Drafter.build(Eagle1Config(), target, samples)
 
 
+def _started(target):
+    """An EAGLE-3 drafter and its proposer, started on a 7-token random prompt."""
+    d = _drafter("eagle3", target)
+    p = EagleProposer(d)
+    prompt = torch.randint(0, target.vocab_size, (7,), generator=torch.Generator().manual_seed(5))
+    out = target(prompt[None], layers=p.layers, logits="last")
+    p.start(prompt[None], out.hidden, int(out.logits[0, -1].argmax()))
+    return d, p
+
+
+# EAGLE-1's static tree shape, cut down: 3 candidates after the root, 2 below the best, ...
+STATIC = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)])
+SHAPES = {"chain": Chain(4), "tree": DynamicTree(depth=4, top_k=3, total_tokens=10), "static_tree": STATIC}
+
+
+def test_registered_for_both_families():
+    assert PROPOSERS.get("eagle1") is PROPOSERS.get("eagle3") is EagleProposer
+
+
 @pytest.mark.parametrize("algo", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", list(SHAPES))
 def test_eagle_greedy_equals_plain(tiny_llama, algo, method):
     d = _drafter(algo, tiny_llama)
     prompt = torch.randint(0, tiny_llama.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
     plain = generate_plain(tiny_llama, prompt, 40)
-    dec = SpeculativeDecoder(tiny_llama, d.proposer())
-    spec = dec.generate(prompt, 40, method=method, k=4, tree=TreeSpec(depth=4, top_k=3, total_tokens=10))
+    dec = SpeculativeDecoder(tiny_llama, EagleProposer(d))
+    spec = dec.generate(prompt, 40, SHAPES[method])
     assert spec.tokens == plain.tokens
     assert sum(spec.num_drafted) > 0
 
 
+@pytest.mark.parametrize("algo", ["eagle1", "eagle3"])
+def test_static_tree_sampling_runs_and_is_seeded(tiny_llama, algo):
+    dec = SpeculativeDecoder(tiny_llama, EagleProposer(_drafter(algo, tiny_llama)))
+    prompt = torch.randint(0, tiny_llama.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    a, b = (dec.generate(prompt, 24, STATIC, temperature=0.8, top_k=20, seed=4) for _ in range(2))
+    assert len(a.tokens) == 24 and a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+    assert set(a.num_drafted) == {len(STATIC.choices)} and max(a.draft_depths) == 4
+
+
+def test_static_tree_nodes_are_the_drafters_ranked_tokens(tiny_llama):
+    """Node of rank r = the r-th most likely drafter token given its path: the root's children
+    are the top-3 of the committed state, and the deepest chain of rank-0 nodes is the greedy
+    chain the proposer drafts."""
+    d, p = _started(tiny_llama)
+    committed = p.cache.length
+    tree = p.propose(STATIC)
+    assert p.cache.length == committed  # speculative positions cropped
+    validate_tree(tree, tiny_llama.vocab_size)
+    assert torch.equal(tree.parents, STATIC.parents) and torch.equal(tree.depth, STATIC.depth)
+    assert tree.tokens[:3].tolist() == d.to_target_ids(p.last_logits.topk(3).indices).tolist()
+    chain = p.propose(Chain(4)).tokens.tolist()
+    rank0 = [STATIC.choices.index((0,) * n) for n in range(1, 5)]  # nodes (0), (0, 0), ...
+    assert [int(tree.tokens[i]) for i in rank0] == chain
+
+
 def test_tree_respects_budget_and_is_closed(tiny_llama):
-    d = _drafter("eagle3", tiny_llama)
-    p = d.proposer()
-    prompt = torch.randint(0, tiny_llama.vocab_size, (7,), generator=torch.Generator().manual_seed(5))
-    out = tiny_llama(prompt[None], layers=p.layers, logits="last")
-    p.start(prompt[None], out.hidden, int(out.logits[0, -1].argmax()))
+    _, p = _started(tiny_llama)
     for total in (1, 5, 11):
-        tree = p.propose_tree(TreeSpec(depth=4, top_k=3, total_tokens=total))
+        tree = p.propose(DynamicTree(depth=4, top_k=3, total_tokens=total))
         n = tree.tokens.numel()
         assert n == total
         # parents precede children, depth = parent's depth + 1
@@ -49,7 +92,7 @@ def test_tree_respects_budget_and_is_closed(tiny_llama):
 
 def test_advance_keeps_drafter_state_equal_to_fresh_start(tiny_llama):
     d = _drafter("eagle3", tiny_llama)
-    p = d.proposer()
+    p = EagleProposer(d)
     ids = torch.randint(0, tiny_llama.vocab_size, (20,), generator=torch.Generator().manual_seed(7))
     out = tiny_llama(ids[None], layers=p.layers, logits="all")
     # incremental: start on 12 tokens, advance by 3 and then 5 (hidden rows of the inputs kept)
@@ -57,7 +100,7 @@ def test_advance_keeps_drafter_state_equal_to_fresh_start(tiny_llama):
     p.advance(ids[13:16], {i: h[:, 12:15] for i, h in out.hidden.items()})
     p.advance(ids[16:20], {i: h[:, 15:19] for i, h in out.hidden.items()})
     inc = p.last_logits.clone()
-    q = d.proposer()
+    q = EagleProposer(d)
     q.start(ids[None, :19], {i: h[:, :19] for i, h in out.hidden.items()}, int(ids[19]))
     torch.testing.assert_close(inc, q.last_logits, atol=1e-5, rtol=1e-5)
 
@@ -68,7 +111,7 @@ def test_min_confidence_shortens_chains_and_stays_exact(tiny_llama):
     plain = generate_plain(tiny_llama, prompt, 40)
     drafted = {}
     for c in (0.0, 0.05, 0.999):
-        spec = SpeculativeDecoder(tiny_llama, d.proposer(min_confidence=c)).generate(prompt, 40, k=4)
+        spec = SpeculativeDecoder(tiny_llama, EagleProposer(d)).generate(prompt, 40, Chain(4, min_confidence=c))
         assert spec.tokens == plain.tokens  # a shorter chain never changes the output
         drafted[c] = spec.num_drafted
     assert set(drafted[0.0]) == {4}
@@ -81,7 +124,7 @@ def test_min_confidence_is_the_product_of_top1_probabilities(tiny_llama):
     d = _drafter("eagle3", tiny_llama)
     prompt = torch.randint(0, tiny_llama.vocab_size, (9,), generator=torch.Generator().manual_seed(4))
     out = tiny_llama(prompt[None], layers=d.capture_layers, logits="last")
-    free = d.proposer()
+    free = EagleProposer(d)
     free.start(prompt[None], out.hidden, 5)
     # the confidences of the unrestricted chain, recomputed step by step
     conf, h, logits, probs = 1.0, free.last_h, free.last_logits, []
@@ -96,9 +139,9 @@ def test_min_confidence_is_the_product_of_top1_probabilities(tiny_llama):
     bounds = [1.0] + probs + [0.0]
     assert all(a > b for a, b in zip(bounds, bounds[1:])), bounds
     for n in range(4):  # a bar between the n-th and the (n+1)-th product keeps exactly n drafts
-        q = d.proposer(min_confidence=(bounds[n] + bounds[n + 1]) / 2)
+        q = EagleProposer(d)
         q.start(prompt[None], out.hidden, 5)
-        assert q.propose(3).tokens.numel() == n, (n, probs)
+        assert q.propose(Chain(3, min_confidence=(bounds[n] + bounds[n + 1]) / 2)).tokens.numel() == n, (n, probs)
 
 
 @pytest.mark.parametrize("algo", ["eagle1", "eagle3"])

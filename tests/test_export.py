@@ -26,6 +26,7 @@ from draftlab.export.importer import import_checkpoint
 from draftlab.losses.eagle import shift_left
 from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
 from draftlab.models.target import Target
+from draftlab import atomic
 from draftlab import checkpoint as ckpt
 
 ATOL = 1e-5
@@ -92,9 +93,8 @@ def _eagle3(target, num_layers=1, aux=None, vd=64):
 
 def _save(drafter, target, path, metrics=None, recipe=None):
     meta = ckpt.checkpoint_meta(drafter, target.identity, recipe, 42, metrics)
-    tmp = ckpt.staging_dir(path)
-    ckpt.save_weights(tmp, drafter.state_dict(), meta)
-    ckpt.publish(tmp, path)
+    with atomic.directory(path) as tmp:
+        ckpt.save_weights(tmp, drafter.state_dict(), meta)
     return path
 
 

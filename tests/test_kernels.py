@@ -466,6 +466,66 @@ def test_tree_lossless_check_catches_biased_correction(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# the decoder's accept rule: greedy or sampling, coins and noise drawn from the generation's generator
+
+def _sampling(temperature: float, seed: int = 0):
+    from draftlab.inference.proposer import Sampling
+
+    return Sampling(temperature, top_k=4, generator=torch.Generator().manual_seed(seed))
+
+
+def _coins_then_noise(sampling, coins: tuple, noise: tuple):
+    """The verifier's draws in the decoder's order: float64 uniforms, then Exp(1) noise."""
+    u = torch.rand(*coins, dtype=torch.float64, generator=sampling.generator)
+    return u, torch.empty(*noise).exponential_(generator=sampling.generator)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampling"])
+def test_accept_chain_is_the_verifiers_with_the_generations_draws(temperature):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 12, generator=gen)
+    drafts = logits[:3].argmax(-1)
+    drafts[2] = (drafts[2] + 1) % 12  # accept two, reject the third (greedy)
+    q = torch.softmax(torch.randn(3, 12, generator=gen), -1)
+    tokens, n = K.accept_chain(drafts, logits, _sampling(temperature, 5), q, backend="torch")
+    s, cu = _sampling(temperature, 5), torch.tensor([0, 3])
+    if temperature == 0.0:
+        out, num = K.chain_verify_greedy(drafts, cu, logits.argmax(-1), backend="torch")
+        assert n == 2
+    else:
+        u, e = _coins_then_noise(s, (3,), (4, 12))
+        out, num = K.chain_verify_sampling(drafts, cu, s.probs(logits), q, u, e, backend="torch")
+    assert (tokens, n) == (out[0, : int(num[0]) + 1].tolist(), int(num[0]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampling"])
+def test_accept_tree_is_the_verifiers_with_the_generations_draws(temperature):
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 12, generator=gen)
+    tokens = torch.tensor([7, logits[0].argmax(), (logits[0].argmax() + 1) % 12, logits[1].argmax()])
+    parents = torch.tensor([-1, 0, 0, 1])
+    path, emitted, n = K.accept_tree(tokens, parents, logits, _sampling(temperature, 6), backend="torch")
+    s = _sampling(temperature, 6)
+    if temperature == 0.0:
+        want = K.tree_verify_greedy(tokens[None], parents[None], logits.argmax(-1)[None], backend="torch")
+        assert n == 2 and path.tolist() == [0, 1, 3]
+    else:
+        u, e = _coins_then_noise(s, (1, 4), (1, 4, 12))
+        want = K.tree_verify_sampling(tokens[None], parents[None], s.probs(logits[None]), u, e, backend="torch")
+    m = int(want[2][0])
+    assert (path.tolist(), emitted, n) == (want[0][0, : m + 1].tolist(), want[1][0, : m + 1].tolist(), m)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampling"])
+def test_accept_without_drafts_is_a_plain_decoding_step(temperature):
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(5))
+    want = _sampling(temperature, 7).next_token(logits[0])
+    assert K.accept_chain(torch.zeros(0, dtype=torch.long), logits, _sampling(temperature, 7)) == ([want], 0)
+    path, emitted, n = K.accept_tree(torch.tensor([3]), torch.tensor([-1]), logits, _sampling(temperature, 7))
+    assert (path.tolist(), emitted, n) == ([0], [want], 0)
+
+
+# ---------------------------------------------------------------------------------------------
 # dispatch and validation
 
 def test_auto_on_cpu_never_touches_triton(monkeypatch):

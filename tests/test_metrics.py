@@ -93,6 +93,18 @@ def test_write_report_json_markdown_png(tmp_path):
     assert table.count("\n") == 5  # header, rule, all + 2 categories
 
 
+def test_write_report_to_unwritable_path_is_one_line_error(tmp_path):
+    from draftlab.errors import DraftlabError
+    from draftlab.inference.report import plot_alpha, write_report
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for write in (lambda p: write_report(_report(), p), lambda p: plot_alpha([_report()], p)):
+        with pytest.raises(DraftlabError, match="cannot") as e:
+            write(blocker / "sub" / "eval.json")  # a directory below a regular file
+        assert str(blocker) in str(e.value) and "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------------- prompt sets
 def test_spec_bench_prompts_round_robin(tiny_llama):
     from draftlab.inference.prompts import load_prompts
@@ -176,10 +188,10 @@ def test_evaluate_report(tiny_llama, tmp_path):
     from draftlab.inference.evaluate import evaluate
     from draftlab.inference.ngram import NgramProposer
     from draftlab.inference.prompts import load_prompts
-    from draftlab.inference.proposer import TreeSpec
+    from draftlab.inference.proposer import Chain, DynamicTree
 
     prompts = load_prompts(str(_prompt_file(tmp_path)), tiny_llama.tokenizer)
-    rep = evaluate(tiny_llama, NgramProposer(), prompts, method="chain", k=3, max_new_tokens=12, data="eval.jsonl")
+    rep = evaluate(tiny_llama, NgramProposer(), prompts, Chain(3), max_new_tokens=12, data="eval.jsonl")
     for key in ("tau", "a", "alpha", "tokens_per_s", "baseline_tokens_per_s", "speedup", "greedy_match", "draft_time_s",
                 "verify_time_s", "method", "k", "num_prompts", "categories"):
         assert key in rep, key
@@ -194,7 +206,7 @@ def test_evaluate_report(tiny_llama, tmp_path):
     assert sum(c["num_steps"] for c in cats.values()) == steps
     json.dumps(rep)
 
-    tree = evaluate(tiny_llama, NgramProposer(), prompts[:1], method="tree", tree=TreeSpec(3, 2, 8), max_new_tokens=8,
+    tree = evaluate(tiny_llama, NgramProposer(), prompts[:1], DynamicTree(3, 2, 8), max_new_tokens=8,
                     temperature=0.8, baseline=False)
     assert tree["tree"] == {"depth": 3, "top_k": 2, "total_tokens": 8} and tree["k"] is None
     assert tree["greedy_match"] is None and tree["speedup"] is None  # sampling, no baseline

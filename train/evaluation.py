@@ -13,9 +13,13 @@ class CheckpointEvaluator:
     def __init__(self, recipe, target, samples):
         from draftlab.inference.prompts import load_prompts
 
+        from draftlab.inference.proposer import PROPOSERS, check_shape
+
         self.recipe, self.target = recipe, target
         self.dir = Path(recipe.output_dir) / "eval"
         e = recipe.eval
+        # a shape the family cannot draft fails now, not after the first checkpoint
+        check_shape(e.shape(), PROPOSERS.get(recipe.algorithm, "algorithm").shapes, recipe.algorithm)
         self.prompts = load_prompts(e.data, target.tokenizer, e.num_prompts, data_spec=recipe.data)
 
     def history(self) -> list[dict]:
@@ -26,9 +30,8 @@ class CheckpointEvaluator:
 
     def __call__(self, checkpoint_dir: Path) -> dict:
         from draftlab.inference.evaluate import evaluate
-        from draftlab.inference.proposer import TreeSpec
+        from draftlab.inference.proposer import load_proposer
         from draftlab.inference.report import markdown_table, write_report
-        from draftlab.registry import load_proposer
 
         e = self.recipe.eval
         step = int(Path(checkpoint_dir).name.split("-")[-1])
@@ -36,9 +39,7 @@ class CheckpointEvaluator:
             self.target,
             load_proposer(checkpoint_dir, self.target),
             self.prompts,
-            method=e.method,
-            k=e.k,
-            tree=TreeSpec(**e.tree.model_dump()),
+            shape=e.shape(),
             max_new_tokens=e.max_new_tokens,
             temperature=e.temperature,
             seed=self.recipe.seed,
@@ -49,7 +50,6 @@ class CheckpointEvaluator:
         )
         report["step"] = step
         report["checkpoint"] = str(checkpoint_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         history = [r for r in self.history() if r.get("step") != step]
         write_report(report, self.dir / f"step-{step:07d}.json", history=history)
         write_report(report, self.dir / "latest.json", history=history)

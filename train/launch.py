@@ -21,6 +21,7 @@ from draftlab.errors import DraftlabError
 def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ...] = ()) -> dict:
     """Train the recipe at ``path``; ``algorithms``, when given, are the only ones accepted."""
     from draftlab.data.dataset import build_samples
+    from draftlab.data.features import FeatureSource
     from draftlab.models.target import Target
     from draftlab.recipe import load_recipe
     from draftlab.train.evaluation import CheckpointEvaluator
@@ -51,22 +52,11 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
 
     # Drafter weights stay fp32 (master weights) whatever the target's dtype.
     drafter = algo.build(drafter_cfg, target, samples.train).float()
-    offline = None
-    if recipe.capture.mode == "offline":
-        from draftlab.data.capture import OfflineDataset
-
-        offline = OfflineDataset(recipe.capture.offline_dir)
-        where = f"capture.offline_dir {recipe.capture.offline_dir}"
-        if offline.manifest.get("data") != {**recipe.data.model_dump(mode="json"), "split": "train"}:
-            raise DraftlabError(f"{where}: captured from a different data section than this recipe's")
-        if missing := sorted(set(drafter.capture_layers) - set(offline.layers)):
-            raise DraftlabError(f"{where}: lacks hidden-state layers {missing} that this drafter reads")
-        if len(offline) != len(samples.train):
-            raise DraftlabError(f"{where}: {len(offline)} captured samples but the data section gives {len(samples.train)}")
+    features = FeatureSource(recipe.capture, target, drafter, samples.train, recipe.data.model_dump(mode="json"))
     evaluator = CheckpointEvaluator(recipe, target, samples) if recipe.eval.enabled else None
     # Different ranks draw different noise, reproducibly.
     seed_everything(recipe.seed * 1000 + accelerator.process_index + 1)
-    trainer = Trainer(recipe, accelerator, target, drafter, loss_cfg, samples.train, evaluate=evaluator, offline=offline)
+    trainer = Trainer(recipe, accelerator, target, drafter, loss_cfg, samples.train, features, evaluate=evaluator)
     metrics = trainer.run()
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -1,8 +1,8 @@
 """The one training loop, shared by every algorithm (EAGLE now; Medusa and diffusion later).
 
 Accelerate handles devices and processes (single process, DDP, FSDP, DeepSpeed ZeRO). The loop:
-batches of packed-by-length samples -> target capture (online, cached in RAM, or offline
-shards) -> ``drafter(batch, hidden, loss_cfg)`` -> backward with accumulation, clipping,
+batches of packed-by-length samples -> target features (``data.features``: online, cached in RAM,
+or offline shards) -> ``drafter(batch, hidden, loss_cfg)`` -> backward with accumulation, clipping,
 AdamW, warmup + cosine -> metrics (JSONL always; TensorBoard / wandb when asked) ->
 checkpoints every N steps (atomic, keep-last-K + best) -> acceptance evaluation hook.
 
@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate.utils import DistributedType
-from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from draftlab.data.dataset import batches_by_tokens, collate
@@ -149,21 +148,19 @@ class MetricLogger:
 
 
 class Trainer:
-    def __init__(self, recipe, accelerator, target, drafter, loss_cfg, train_samples, evaluate=None, offline=None):
-        """``evaluate(checkpoint_dir) -> dict | None`` runs after each checkpoint on the main
-        process (acceptance report); ``offline`` is an OfflineDataset when capture.mode is offline."""
+    def __init__(self, recipe, accelerator, target, drafter, loss_cfg, train_samples, feature_source, evaluate=None):
+        """``feature_source`` (a :class:`draftlab.data.features.FeatureSource`) gives each
+        micro-batch's target hidden states and derived targets; ``evaluate(checkpoint_dir) ->
+        dict | None`` runs after each checkpoint on the main process (acceptance report)."""
         self.recipe, self.accelerator, self.target = recipe, accelerator, target
         self.loss_cfg = loss_cfg
         self.samples = train_samples
+        self.feature_source = feature_source
         self.evaluate = evaluate
-        self.offline = offline
         self.run_dir = Path(recipe.output_dir)
         self.world = accelerator.num_processes
         self.rank = accelerator.process_index
         self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-        self.memory_cache: dict[int, tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]] = {}  # sample -> (hidden, derived)
-        self.layers = drafter.capture_layers
-        self.raw_drafter = drafter
 
         t = recipe.train
         self.batches_per_epoch = len(self._epoch_batches(0)) // self.world
@@ -237,34 +234,6 @@ class Trainer:
             for b in mine[idx:]:
                 yield epoch, b
             epoch, idx = epoch + 1, 0
-
-    def capture(self, indices: list[int], batch: dict) -> tuple[dict[int, torch.Tensor], dict]:
-        """-> (hidden states {layer: [B, T, H]}, ``batch`` plus the drafter's derived targets).
-        With ``capture.mode: memory`` both are computed once per sample and reused afterwards.
-        Per-sample rows are zero-padded to the batch's T, the longest sample's length (``collate``)."""
-        mode = self.recipe.capture.mode
-        if mode == "memory" and all(i in self.memory_cache for i in indices):
-            cached = [self.memory_cache[i] for i in indices]
-            hidden = {layer: pad_sequence([h[layer] for h, _ in cached], batch_first=True) for layer in self.layers}
-            derived = {k: pad_sequence([d[k] for _, d in cached], batch_first=True) for k in cached[0][1]}
-            return hidden, {**batch, **derived}
-        if mode == "offline":
-            items = [self.offline[i]["hidden"] for i in indices]
-            hidden = {
-                layer: pad_sequence([h[layer] for h in items], batch_first=True).to(device=self.target.device, dtype=self.target.dtype)
-                for layer in self.layers
-            }
-        else:  # right padding + causal attention: real tokens never see padding, so no mask is needed
-            hidden = self.target(batch["input_ids"], layers=self.layers, logits=None).hidden
-        derived = self.raw_drafter.derived_targets(hidden, batch)
-        if mode == "memory":
-            for j, i in enumerate(indices):
-                n = int(batch["attention_mask"][j].sum())
-                self.memory_cache[i] = (
-                    {layer: hidden[layer][j, :n].clone() for layer in self.layers},
-                    {k: v[j, :n].clone() for k, v in derived.items()},
-                )
-        return hidden, {**batch, **derived}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, metrics: dict) -> Path:
@@ -403,7 +372,7 @@ class Trainer:
                 epoch, indices = next(stream)
                 batch = collate([self.samples[i] for i in indices], self.pad_id)
                 batch = {k: v.to(self.target.device) for k, v in batch.items()}
-                hidden, batch = self.capture(indices, batch)
+                hidden, batch = self.feature_source.features(indices, batch)
                 # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
                 with self.accelerator.accumulate(self.model):
                     loss, metrics = self.model(batch, hidden, self.loss_cfg)
