@@ -14,7 +14,7 @@ the same rows and hidden states:
 
 * draftlab: ``Eagle3Drafter`` via ``drafter(batch, hidden, Eagle3Loss(ttt_steps=7))`` on
   [batch, seq_len]. Its step includes the target's full-vocab lm_head over hidden[L] (no grad;
-  ``derived_targets`` + ``target_distribution``), as in the trainer's online and offline modes
+  ``derived_targets`` + the target's draft-vocab probabilities), as in the trainer's online and offline modes
   (``capture.mode: memory`` computes the full-vocab part once per sample).
 * speculators 0.9: ``Eagle3DraftModel(..., ttt_steps=7)`` with SDPA attention (its default flex
   attention has no CPU path), its eager KL loss (the fused one is Triton/GPU-only) and the

@@ -36,7 +36,7 @@ class DraftlabLayout(Format):
         save_weights(tmp, drafter.export_state_dict(), {k: v for k, v in meta.items() if k != "format"})
         write_json(tmp / "config.json", self.export_config(drafter, target, meta, opts))
 
-    def serving(self, out, target_name, opts):
+    def serving(self, out, target_name, opts, config):
         return f"```bash\ndraftlab eval --drafter {out} --target {target_name}\n```"
 
 

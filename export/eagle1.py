@@ -54,7 +54,7 @@ class EagleLayout(Format):
     def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
         return layer_config(drafter.shape, len(drafter.layers), drafter.vocab_size, "llama", architectures=[self.architecture])
 
-    def serving(self, out, target_name, opts):
+    def serving(self, out, target_name, opts, config):
         k = opts.speculative_tokens
         if self.engines[0] == "vllm":
             return (

@@ -66,7 +66,7 @@ class SGLangEagle3(Format):
             },
         )
 
-    def serving(self, out, target_name, opts):
+    def serving(self, out, target_name, opts, config):
         k = opts.speculative_tokens
         return (
             f"```bash\npython -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE3 \\\n"

@@ -96,7 +96,7 @@ class SpeculatorsEagle3(Format):
             "tie_word_embeddings": False,
         }
 
-    def serving(self, out, target_name, opts):
+    def serving(self, out, target_name, opts, config):
         return (
             f"```bash\nvllm serve {target_name} --speculative-config "
             f"'{{\"model\": \"{out}\", \"method\": \"eagle3\", \"num_speculative_tokens\": {opts.speculative_tokens}}}'\n```\n"

@@ -119,8 +119,8 @@ class Format:
         config["torch_dtype"] = opts.dtype or str(next(iter(drafter.parameters())).dtype).removeprefix("torch.")
         write_json(tmp / "config.json", config)
 
-    def serving(self, out: str, target_name: str, opts: ExportOptions) -> str:
-        """Markdown: how to serve the exported directory."""
+    def serving(self, out: str, target_name: str, opts: ExportOptions, config: dict) -> str:
+        """Markdown: how to serve the exported directory (``config``: the config it wrote)."""
         return ""
 
     def notes(self, drafter, config: dict) -> list[str]:
@@ -128,6 +128,11 @@ class Format:
         return []
 
     # ---- import -----------------------------------------------------------------
+    def read_tensors(self, src: Path) -> dict[str, torch.Tensor]:
+        """Every tensor of the layout's directory ``src``, by the layout's names. Layouts with
+        their own file names override this."""
+        return read_tensors(src)
+
     def import_meta(self, config: dict, tensors: dict[str, torch.Tensor], target) -> dict:
         """The drafter meta (``Drafter.from_meta``) a foreign config describes, validated
         against ``target``. ``tensors`` (already renamed to draftlab names) is edited in place:

@@ -27,7 +27,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     from draftlab import atomic
     from draftlab.checkpoint import checkpoint_meta, save_weights
     from draftlab.export.exporter import check_out_dir, load_target
-    from draftlab.export.formats import check_embedding, import_format, read_config, read_tensors
+    from draftlab.export.formats import check_embedding, import_format, read_config
     from draftlab.models.drafter import DRAFTERS
 
     src, out = Path(src), Path(out)
@@ -36,7 +36,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     check_out_dir(out, overwrite)
     fmt = import_format(format_name)
     config = read_config(src)
-    raw = read_tensors(src)
+    raw = fmt.read_tensors(src)
     target = load_target(target)
 
     tensors: dict = {}

@@ -72,7 +72,7 @@ def render(meta: dict, fmt, drafter, config: dict, engine: str, out: str, source
         "",
         "## Drafter",
         "",
-        f"- algorithm `{meta['algorithm']}`, {d.get('num_layers')} decoder layer(s), {n_params / 1e6:.2f}M parameters",
+        f"- algorithm `{meta['algorithm']}`, {n_params / 1e6:.2f}M parameters; architecture: {_scalars(d)}",
     ]
     if "aux_layers" in d:
         lines.append(f"- fused target hidden states (draftlab `aux_layers`, HF `hidden_states` indices): {d['aux_layers']}")
@@ -91,7 +91,7 @@ def render(meta: dict, fmt, drafter, config: dict, engine: str, out: str, source
             f"- training: {_scalars(train, ('lr', 'max_steps', 'epochs', 'batch_tokens', 'grad_accum', 'warmup_steps', 'clip_grad_norm'))}, "
             f"seed {recipe.get('seed')}, checkpoint step {meta.get('step')}",
         ]
-    lines += ["", *acceptance_section(meta), "## Serving", "", fmt.serving(out, target_name, opts), ""]
+    lines += ["", *acceptance_section(meta), "## Serving", "", fmt.serving(out, target_name, opts, config), ""]
     notes = fmt.notes(drafter, config)
     if notes:
         lines += ["## Layout notes", "", *[f"- {n}" for n in notes], ""]

@@ -62,16 +62,31 @@ def markdown(report: dict) -> str:
     return f"# {title}\n\n{_describe(report)}\n\n{markdown_table(report)}"
 
 
-def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Path:
-    """PNG of alpha_j by position j, one curve per report (e.g. per checkpoint)."""
+def figure(draw, path, size=(6, 4)) -> Path:
+    """``draw(ax)`` on a new matplotlib figure, saved as a PNG at ``path`` (atomically, with a
+    legend when something is labelled); the figure is closed whatever happens."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=size)
     try:
+        draw(ax)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Path:
+    """PNG of alpha_j by position j, one curve per report (e.g. per checkpoint)."""
+
+    def draw(ax):
         for i, r in enumerate(reports):
             label = (labels[i] if labels else None) or r.get("label") or f"report {i}"
             pts = [(j + 1, a) for j, a in enumerate(r.get("alpha", [])) if a is not None]
@@ -87,13 +102,8 @@ def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Pa
         ax.grid(alpha=0.3)
         if reports:
             ax.set_title(_describe(reports[-1]), fontsize=7)
-        if ax.lines:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    finally:
-        plt.close(fig)
-    return path
+
+    return figure(draw, path)
 
 
 def write_report(report: dict, path, history: list[dict] | None = None) -> dict[str, Path]:

@@ -421,6 +421,25 @@ class SharedLMHead(torch.nn.Module):
             return self._target.lm_head(x)
         return self._target._linear(-1, "lm_head", x)[0]
 
+    @torch.no_grad()
+    def greedy(self, hidden: torch.Tensor, where: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """The target's full-vocab greedy token [B, T] at the positions ``where`` (bool [B, T])
+        of final hidden states ``hidden`` [B, T, H], -1 elsewhere; ``chunk`` rows of logits at a
+        time bound the memory. ``max().indices``: ~6x faster than argmax on CPU, same tie rule."""
+        W = self.weight
+        top = [F.linear(x, W).max(-1).indices for x in hidden[where].split(chunk)]
+        out = torch.full(where.shape, -1, dtype=torch.long, device=where.device)
+        out[where] = torch.cat(top) if top else out.new_empty(0)
+        return out
+
+    @torch.no_grad()
+    def probs(self, hidden: torch.Tensor, rows: torch.Tensor | None = None, chunk: int = 1024) -> torch.Tensor:
+        """The target's next-token probabilities [N, V'] for final hidden states [N, H],
+        restricted to the vocabulary ``rows`` (bool [V], e.g. a draft vocabulary's ``t2d``;
+        softmax over those logits only, in row order), chunked like :meth:`greedy`."""
+        W = self.weight if rows is None else self.weight[rows]
+        return torch.cat([F.linear(x, W).float().softmax(-1) for x in hidden.split(chunk)])
+
 
 class FusedLinear:
     """Frozen linears sharing an input (q|k|v, gate|up) as one GEMM.

@@ -106,9 +106,17 @@ def test_write_report_to_unwritable_path_is_one_line_error(tmp_path):
 
 
 # ---------------------------------------------------------------------- prompt sets
-def test_spec_bench_prompts_round_robin(tiny_llama):
+def test_spec_bench_prompts_round_robin(tiny_llama, tmp_path, monkeypatch):
+    """The `spec-bench` preset reads a file of Spec-Bench's form (here a small one of our own:
+    the real questions are not shipped) and takes one prompt per category first."""
     from draftlab.inference.prompts import load_prompts
 
+    categories = ["writing", "roleplay", "math", "coding", "translation", "summarization"]
+    rows = [{"question_id": 10 * q + c, "category": cat, "turns": [f"Question {q} about {cat}?", "And then?"]}
+            for q in range(3) for c, cat in enumerate(categories)]
+    path = tmp_path / "spec_bench_questions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("DRAFTLAB_SPEC_BENCH", str(path))
     prompts = load_prompts("spec-bench", tiny_llama.tokenizer, num_prompts=6)
     assert len(prompts) == 6
     assert len({p.category for p in prompts}) == 6  # one per category first

@@ -177,7 +177,7 @@ def test_eagle3_targets_match_full_vocab_definition(tiny_llama):
     need = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
     assert (argmax[~need] == -1).all()
     assert torch.equal(argmax[need], full.argmax(-1)[need])
-    torch.testing.assert_close(d.target_distribution(final.flatten(0, 1)), full[..., d.t2d].softmax(-1).flatten(0, 1))
+    torch.testing.assert_close(tiny_llama.shared_lm_head.probs(final.flatten(0, 1), d.t2d), full[..., d.t2d].softmax(-1).flatten(0, 1))
     cfg = Eagle3Loss(ttt_steps=2)
     loss_a, m_a = d(batch, hidden, cfg)
     loss_b, m_b = d({**batch, "target_argmax": argmax}, hidden, cfg)

@@ -73,7 +73,7 @@ def test_every_shipped_recipe_validates():
         ({"train": {"bogus": 1}}, "train.bogus"),
         ({"drafter": {"draft_vocab": 3}}, "drafter.draft_vocab"),
         ({"loss": {"ttt_steps": 0}}, "loss.ttt_steps"),
-        ({"algorithm": "eagle9"}, "unknown algorithm"),
+        ({"algorithm": "eagle9"}, "algorithm: unknown drafter family"),
     ],
 )
 def test_bad_recipe_is_one_line_error(tmp_path, tiny_target_dirs, chat_file, mutate, message):

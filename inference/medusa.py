@@ -1,0 +1,77 @@
+"""Proposer for Medusa drafters: each head's top-1 as a chain, or each head's top-K filled into a
+static (Medusa-choices) tree.
+
+Every draft comes from one row, the target's last kept hidden state (head i guesses the token
+i + 2 after it, the target's own bonus token being the first): a step is one pass of the heads
+over that row, and nothing else is carried between steps. Tokens are picked deterministically
+(top-1 / top-K), so drafts are point masses (``probs=None``): greedy and sampled verification
+both stay lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftlab.errors import DraftlabError
+from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, Proposer, StaticTree
+from draftlab.models.cpu_gemm import decoding_copy
+
+
+@PROPOSERS.register("medusa")
+class MedusaProposer(Proposer):
+    shapes = frozenset({"chain", "static_tree"})
+
+    def __init__(self, drafter):
+        # A frozen copy whose linears run the 1-row products of decoding on the CPU's faster GEMM
+        # (models/cpu_gemm.py); the target's lm_head the drafter references is not copied.
+        self.drafter = decoding_copy(drafter.eval())
+        self.name = drafter.algorithm
+        self.layers = tuple(drafter.capture_layers)
+
+    def start(self, prompt_ids, hidden, next_token):
+        self._keep(hidden)
+
+    def advance(self, accepted, hidden):
+        self._keep(hidden)
+
+    def _keep(self, hidden):
+        # the last kept input's state: its target output is the token the drafts follow
+        self.last = hidden[self.drafter.num_target_layers][:, -1]  # [1, H]
+
+    def propose(self, shape: Chain | StaticTree) -> ChainDraft | DraftTree:
+        if isinstance(shape, Chain):
+            return self._chain(shape.k, shape.min_confidence)
+        return self._static_tree(shape)
+
+    @torch.no_grad()
+    def _logits(self, head: int) -> torch.Tensor:
+        return self.drafter.head_logits(self.last, head)[0]  # [V_draft]
+
+    @torch.no_grad()
+    def _chain(self, k: int, min_confidence: float) -> ChainDraft:
+        """Head i's top-1 for the i-th draft, i < min(k, num_heads). With ``min_confidence``,
+        stop before the draft at which the product of the heads' top-1 probabilities falls below
+        it (the chain's dynamic length, as for EAGLE)."""
+        out, confidence = [], 1.0
+        for i in range(min(k, self.drafter.num_heads)):
+            logits = self._logits(i)
+            top = logits.max(-1)
+            if min_confidence > 0:  # top-1 probability = exp(max logit - logsumexp)
+                confidence *= float((top.values.float() - logits.float().logsumexp(-1)).exp())
+                if confidence < min_confidence:
+                    break
+            out.append(top.indices)
+        tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long, device=self.last.device)
+        return ChainDraft(self.drafter.to_target_ids(tokens), None)
+
+    @torch.no_grad()
+    def _static_tree(self, shape: StaticTree) -> DraftTree:
+        """Depth d of the tree is head d - 1's guess: a node of rank r holds that head's r-th
+        most likely token, whatever its parent (Medusa's Cartesian candidates)."""
+        d = self.drafter
+        if shape.max_depth > d.num_heads:
+            raise DraftlabError(f"static tree: depth {shape.max_depth} needs {shape.max_depth} Medusa heads, this drafter has {d.num_heads}")
+        if shape.max_rank > d.draft_vocab_size:
+            raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {d.draft_vocab_size}")
+        ranked = torch.stack([self._logits(i).topk(shape.max_rank).indices for i in range(shape.max_depth)])
+        return shape.draft(d.to_target_ids(ranked))

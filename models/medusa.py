@@ -1,0 +1,210 @@
+"""Medusa-1 heads (FasterDecoding/Medusa; see ../shared/docs/methods.md).
+
+N heads read the target's last hidden state h_t (after its final norm, ``hidden[L]``) and head i
+(0-based) predicts token x_{t+2+i}: the target's own lm_head already gives x_{t+1}, so one target
+forward yields 1 + N tokens to try. Head i is ``num_layers`` residual blocks ``x + SiLU(W x + b)``
+(distinct weights per block, zero-initialised, so every head starts as the identity) and a
+projection onto the draft vocabulary initialised from the target's lm_head rows: before
+training each head predicts what the target predicts for x_{t+1}, a far better start than
+random. The target stays frozen (Medusa-1); its lm_head is shared by reference, never saved.
+
+The draft vocabulary is the full target vocabulary or, with ``draft_vocab_size``, the most
+frequent assistant tokens of the training data (``d2t``/``t2d`` as EAGLE-3): each head's
+projection then costs ``V_draft / V`` of a full one, in training and in decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from draftlab.errors import DraftlabError
+from draftlab.losses.eagle import predicted_mask, shift_left
+from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
+from draftlab.models.drafter import DRAFTERS, Drafter
+
+TOPK_METRIC = 5  # the `top5` metric: how often the target's token is among a head's 5 best
+
+
+class MedusaConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_heads: int = Field(3, ge=1, description="heads; head i predicts the token i + 2 after the last verified one")
+    num_layers: int = Field(1, ge=1, description="residual blocks x + SiLU(Wx + b) per head")
+    draft_vocab_size: int = Field(0, ge=0, description="0 = the full target vocabulary; else its N most frequent assistant tokens")
+
+
+class MedusaLoss(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    head_weight: float = Field(1.0, gt=0, description="lambda: head i's loss is weighted lambda * decay**i")
+    decay: float = Field(0.8, gt=0)
+    targets: Literal["target", "data"] = Field(
+        "target",
+        description="target: soft CE to the target's own distribution over the draft vocab (self-distillation); "
+        "data: CE to the data's tokens (tokens outside the draft vocab are left out)",
+    )
+
+
+class ResidualBlocks(nn.Module):
+    """``x <- x + SiLU(W_l x + b_l)`` for each of ``num_layers`` linears; zero-initialised, so the
+    stack starts as the identity. Named ``layers.{l}`` as vLLM's ``ResidualBlock``."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden_size, hidden_size) for _ in range(num_layers)])
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+@DRAFTERS.register()
+class MedusaDrafter(Drafter):
+    algorithm = "medusa"
+    Config = MedusaConfig
+    Loss = MedusaLoss
+
+    def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int, num_heads: int, num_layers: int):
+        super().__init__()
+        # a checkpoint's or import's meta reaches here unvalidated: refuse what no head can be
+        if num_heads < 1 or num_layers < 1:
+            raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads} and {num_layers}")
+        if not 1 <= draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} is outside 1..{vocab_size}")
+        # plain sizes: a decoding copy (models/cpu_gemm.py) swaps the nn.Linear modules out
+        self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
+        self.blocks = nn.ModuleList([ResidualBlocks(hidden_size, num_layers) for _ in range(num_heads)])
+        self.lm_heads = nn.ModuleList([nn.Linear(hidden_size, draft_vocab_size, bias=False) for _ in range(num_heads)])
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.num_target_layers = None  # set by build/from_meta: hidden[L] is what the heads read
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks[0].layers)
+
+    # ---- construction -------------------------------------------------------
+    def attach(self, target) -> "MedusaDrafter":
+        """Share the target's frozen lm_head by reference (not a registered submodule: neither
+        trained, wrapped by DDP/FSDP nor checkpointed); it gives the training targets."""
+        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
+        return self.to(device=target.device)
+
+    @classmethod
+    def default_capture_layers(cls, num_target_layers: int) -> list[int]:
+        return [num_target_layers]
+
+    @classmethod
+    def build(cls, cfg: MedusaConfig, target, samples=None) -> "MedusaDrafter":
+        from draftlab.data.vocab import build_draft_vocab
+
+        V = target.vocab_size
+        vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
+        m = cls(target.hidden_size, V, vd, cfg.num_heads, cfg.num_layers)
+        m.num_target_layers = target.num_layers
+        if vd < V:
+            if not samples:
+                raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
+            d2t, t2d = build_draft_vocab(samples, V, vd)
+            m.d2t.copy_(d2t)
+            m.t2d.copy_(t2d)
+        with torch.no_grad():  # every head starts as the target's own read-out of the draft vocab
+            rows = target.lm_head.weight[m.t2d.to(target.device)].float()
+            for head in m.lm_heads:
+                head.weight.copy_(rows)
+        return m.attach(target)
+
+    def meta(self) -> dict:
+        return {
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "num_target_layers": self.num_target_layers,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict, target) -> "MedusaDrafter":
+        if meta["hidden_size"] != target.hidden_size:
+            raise ValueError(f"hidden_size {meta['hidden_size']} is not the target's {target.hidden_size}")
+        m = cls(meta["hidden_size"], meta["vocab_size"], meta["draft_vocab_size"], meta["num_heads"], meta["num_layers"])
+        m.num_target_layers = meta["num_target_layers"]
+        return m.attach(target)
+
+    # ---- the heads ------------------------------------------------------------------
+    @property
+    def capture_layers(self) -> list[int]:
+        return [self.num_target_layers]
+
+    def head_logits(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Head ``i``'s draft-vocab logits [..., V_draft] for final hidden states h [..., H]."""
+        return self.lm_heads[i](self.blocks[i](h.to(self.lm_heads[i].weight.dtype)))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids of target ids (draft ids are kept target ids in ascending order);
+        -1 for tokens outside the draft vocabulary."""
+        draft = self.t2d.long().cumsum(0) - 1
+        return torch.where(self.t2d[target_ids], draft[target_ids], -1)
+
+    # ---- training targets ---------------------------------------------------------------
+    def derived_targets(self, hidden, batch):
+        """``target_argmax`` [B, T]: the target's full-vocab greedy token at every position s
+        whose next token counts for some head (``loss_mask[s + 1]``; -1 elsewhere): what the
+        accuracies compare with. A full-vocab lm_head pass, the same every epoch: cached."""
+        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
+        return {"target_argmax": self._target_lm_head.greedy(hidden[self.num_target_layers], need)}
+
+    def target_distribution(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's probabilities over the draft vocab, [N, V_draft] for final hidden states
+        [N, H]. Recomputed every step, never cached: a distribution per position is V_draft
+        floats (a hidden state is H)."""
+        return self._target_lm_head.probs(final_hidden, self.t2d if self.draft_vocab_size < self.vocab_size else None)
+
+    def training_loss(self, batch, hidden, cfg: MedusaLoss):
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        B, T = ids.shape
+        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
+            batch = {**batch, **self.derived_targets(hidden, batch)}
+        final = hidden[self.num_target_layers]
+        # Head i at t imitates the target at s = t+1+i. The target is needed only at the s with
+        # loss_mask[s+1]: compute it there, compactly, and gather rows per head.
+        need = shift_left(loss_mask, 1, fill=False)
+        row = (need.flatten().cumsum(0) - 1).view(B, T)
+        greedy = batch["target_argmax"][need]
+        probs = self.target_distribution(final[need]) if cfg.targets == "target" else None
+        labels = self.to_draft_ids(ids) if cfg.targets == "data" else None
+        loss = final.new_zeros((), dtype=torch.float32)
+        head_loss, top1, top5 = [], [], []
+        for i, w in enumerate(head_weights(self.num_heads, cfg.head_weight, cfg.decay)):
+            counted = predicted_mask(loss_mask, i)  # x_{t+2+i} is an assistant token
+            r = shift_left(row, 1 + i, fill=-1)[counted]  # the target's row at s = t+1+i
+            logits = self.head_logits(final[counted], i)
+            if probs is not None:
+                li = distill_loss(logits, probs[r])
+            else:
+                li = data_loss(logits, shift_left(labels, 2 + i, fill=-1)[counted])
+            loss = loss + w * li
+            with torch.no_grad():  # agreement with the target's greedy token; outside the draft vocab = miss
+                ranked = self.to_target_ids(logits.topk(min(TOPK_METRIC, logits.shape[-1]), dim=-1).indices)
+                a1, a5 = topk_agreement(ranked, greedy[r])
+            head_loss.append(li.item())
+            top1.append(a1)
+            top5.append(a5)
+        return loss, {"loss_heads": head_loss, "acc": top1, "top5": top5}
