@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from datetime import datetime, timezone
@@ -47,7 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
-from peak import append_benchmarks, cpu_name  # noqa: E402
+from peak import append_run, cpu_name, main_with_errors  # noqa: E402
+from runs import checkpoint_of, heldout_of, recipe_of, target_of  # noqa: E402
 
 from draftlab.errors import DraftlabError  # noqa: E402
 
@@ -112,36 +112,18 @@ def shape_name_from_report(rep: dict) -> str:
     return f"{rep.get('method')} k={rep.get('k')}"
 
 
-def pick_checkpoint(run: Path) -> Path:
-    from draftlab.checkpoint import META, list_checkpoints
-
-    best = run / "checkpoints" / "best"
-    if (best / META).is_file():
-        return best
-    found = list_checkpoints(run)
-    if not found:
-        raise DraftlabError(f"{run}: no checkpoint (checkpoints/best or checkpoints/step-*)")
-    return found[-1]
-
-
 def load_run(run_arg: str) -> dict:
     """Everything read from one run directory, checked before any model loads."""
     from draftlab.checkpoint import read_meta
-    from draftlab.recipe import Recipe
 
     run = Path(run_arg)
     if not run.is_dir():
         raise DraftlabError(f"{run}: no such run directory")
     elapsed = elapsed_by_step(run)
     curve = acceptance_curve(run, elapsed)
-    ckpt = pick_checkpoint(run)
+    ckpt = checkpoint_of(run)
     meta = read_meta(ckpt)
-    if not isinstance(meta.get("recipe"), dict):
-        raise DraftlabError(f"{ckpt}: the checkpoint carries no recipe (not written by a recipe run)")
-    try:
-        recipe = Recipe.model_validate(meta["recipe"])
-    except Exception as e:  # pydantic ValidationError: first line is enough
-        raise DraftlabError(f"{ckpt}: the checkpoint's recipe does not validate ({str(e).splitlines()[0]})") from None
+    recipe = recipe_of(ckpt, meta)
     step = int(meta.get("step", -1))
     minutes = minutes_at(step, elapsed)
     if math.isnan(minutes) and "elapsed_s" in (meta.get("metrics") or {}):
@@ -151,34 +133,6 @@ def load_run(run_arg: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ measured now
-_TARGETS: dict = {}
-
-
-def target_for(r: dict):
-    """The target the run was trained for (the recipe's spec, e.g. 'default'), loaded once."""
-    import torch
-
-    from draftlab.models.target import Target
-
-    t = r["recipe"].target
-    device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    key = (t.model, t.dtype, device, t.trust_remote_code)
-    if key not in _TARGETS:
-        _TARGETS[key] = Target.load(t.model, t.dtype, device, t.trust_remote_code)
-    return _TARGETS[key]
-
-
-def heldout_samples(r: dict, target) -> list:
-    from draftlab.data.dataset import build_samples
-
-    spec = r["recipe"].data
-    samples = build_samples(spec, target.tokenizer, target=target if spec.regenerate else None,
-                            regenerate_path=r["run"] / "regenerated.jsonl")
-    if not samples.heldout:
-        raise DraftlabError(f"{r['run']}: the recipe's data split holds no held-out samples (data.heldout = 0)")
-    return samples.heldout
-
-
 def agreement(r: dict, target, drafter, samples: list) -> dict:
     """Teacher-forced top-1 / top-5 agreement per position from the family's ``training_loss``
     metrics. Each micro-batch's metric is a mean over the positions it counts at that draft
@@ -250,7 +204,7 @@ def measure_run(r: dict, args, static_tree, spec_bench_note: str | None) -> list
     from draftlab.inference.prompts import load_prompts
     from draftlab.inference.proposer import load_proposer
 
-    target = target_for(r)
+    target = target_of(r["recipe"])
     eos = target.tokenizer.eos_token_id
     label = f"{r['algorithm']} {r['name']}"
     print(f"\n== {label}: {r['ckpt']} (step {r['step']}, {r['train_min']:.1f} training min)", flush=True)
@@ -263,7 +217,7 @@ def measure_run(r: dict, args, static_tree, spec_bench_note: str | None) -> list
     probe_shapes(target, proposer, shapes, prompt_sets["sharegpt-heldout"][0].prompt_ids, eos)
 
     t0 = time.perf_counter()
-    agree = agreement(r, target, drafter, heldout_samples(r, target))
+    agree = agreement(r, target, drafter, heldout_of(r["recipe"], r["run"], target, r["run"]))
     print(f"agreement on {agree['samples']} held-out samples ({time.perf_counter() - t0:.1f} s): top-1 "
           f"{fmt_list(agree['top1'])}, top-5 {fmt_list(agree['top5'])}", flush=True)
     del drafter
@@ -437,19 +391,12 @@ def run(argv, args) -> int:
     print()
     print(text)
     if append:
-        cmd = "python bench/families.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-        append_benchmarks(f"\n## Drafter families at equal training time ({started:%Y-%m-%d %H:%M} UTC)\n\n"
-                       f"Command: `{cmd.strip()}`\n\n{text}\n")
+        append_run("Drafter families at equal training time", started, "bench/families.py", argv, text)
     return 0
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(argv, args)
-    except DraftlabError as e:
-        print(f"bench/families.py: error: {e}", file=sys.stderr)
-        return 2
+    return main_with_errors("bench/families.py", parse_args, run, argv)
 
 
 if __name__ == "__main__":

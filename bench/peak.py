@@ -11,6 +11,7 @@ numbers drift while ratios taken back to back hold.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -84,3 +85,25 @@ def append_benchmarks(text: str, path=None) -> None:
             f.write("# draftlab benchmarks\n\nMeasured results, appended by the scripts in bench/ (newest last).\n")
         f.write(text)
     print(f"appended to {path}")
+
+
+def append_run(title: str, started, prog: str, argv, text: str) -> None:
+    """Append a section ``## title (started, UTC)`` holding the command that ran and ``text``."""
+    import shlex
+
+    args = sys.argv[1:] if argv is None else argv
+    cmd = f"python {prog} " + " ".join(shlex.quote(a) for a in args)
+    append_benchmarks(f"\n## {title} ({started:%Y-%m-%d %H:%M} UTC)\n\nCommand: `{cmd.strip()}`\n\n{text}\n")
+
+
+def main_with_errors(prog: str, parse_args, run, argv=None) -> int:
+    """``run(argv, parse_args(argv))``; a DraftlabError becomes one line on stderr and exit 2."""
+    from draftlab.errors import DraftlabError
+
+    args = parse_args(argv)
+    try:
+        return run(argv, args)
+    except DraftlabError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+

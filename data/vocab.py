@@ -1,4 +1,4 @@
-"""EAGLE-3 reduced draft vocabulary: the N most frequent assistant tokens of the training data.
+"""A reduced draft vocabulary (EAGLE-3, Medusa): the N most frequent assistant tokens of the training data.
 
 ``d2t[i] = target_id(i) - i`` (offsets, as EAGLE-3 / speculators / SGLang store them) and
 ``t2d`` is a boolean mask over the target vocabulary. Draft ids are the kept target ids in

@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "eval": ("draftlab.inference.evaluate", "speculative decoding acceptance report (alpha_j, tau, speedup)"),
     "generate": ("draftlab.inference.generate", "interactive speculative generation with live acceptance"),
     "export": ("draftlab.export.cli", "export a checkpoint for vLLM, SGLang or HF"),
-    "import": ("draftlab.export.importer", "import a speculators / SGLang / EAGLE / Medusa checkpoint"),
+    "import": ("draftlab.export.importer", "import a public drafter in any registered format"),
 }
 
 

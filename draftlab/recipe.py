@@ -1,6 +1,6 @@
 """The recipe: one typed object read from YAML plus dotted command-line overrides.
 
-``train/eagle.py recipes/x.yaml train.max_steps=20 output_dir=runs/x`` — every override is a
+``draftlab train recipes/x.yaml train.max_steps=20 output_dir=runs/x`` — every override is a
 ``dotted.key=value`` pair whose value is parsed as YAML (so ``20`` is an int, ``[2,15,27]`` a
 list). Unknown keys, wrong types and missing files are one-line errors (DraftlabError).
 The ``drafter`` and ``loss`` sections are validated by the algorithm's own config classes.

@@ -14,7 +14,6 @@ otherwise load random weights without a word.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 

@@ -101,6 +101,7 @@ def evaluate(
     return the report dict. ``progress(i, n, spec_result)`` is called after each prompt when given."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
+    target = proposer.verifier(target)
     decoder = SpeculativeDecoder(target, proposer, backend=backend)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     if warmup:
@@ -139,6 +140,7 @@ def evaluate(
     return {
         "label": label,
         "drafter": proposer.name,
+        "verifier": target.identity.get("name"),
         "target": dict(getattr(target, "identity", {})),
         "data": data,
         **shape_fields(shape),

@@ -42,6 +42,7 @@ class _Stream:
 
 def run(args) -> int:
     target, proposer, shape = load_models(args)
+    target = proposer.verifier(target)
     decoder = SpeculativeDecoder(target, proposer, backend=args.backend)
     tok = target.tokenizer
     session = AcceptanceStats()

@@ -1,7 +1,7 @@
 """The one interface between the speculative decoder and whatever drafts tokens.
 
-The decoder and the verify kernels never know which drafter is behind a proposer: EAGLE-1,
-EAGLE-3, n-gram prompt lookup (and later Medusa, diffusion) all implement this.
+The decoder and the verify kernels never know which drafter is behind a proposer: every drafter
+family's proposer and the training-free n-gram prompt lookup implement this.
 
 Draft shapes: what one step drafts, chosen per generation and handed to ``propose``:
 
@@ -312,6 +312,13 @@ class Proposer:
     layers: tuple[int, ...] = ()  # target hidden-state indices needed in start/advance
     shapes: ClassVar[frozenset[str]] = frozenset()  # the ``kind`` of every shape ``propose`` drafts
     sampling: Sampling = Sampling()
+
+    def verifier(self, target):
+        """The target whose forwards verify this proposer's drafts, given the one it was loaded
+        next to: that target itself, unless the family also changes the target (Medusa-2
+        merges its LoRA adapters into it). Decoding is lossless with respect to the returned
+        target, and the plain baseline a speedup is measured against decodes with it too."""
+        return target
 
     def configure(self, sampling: Sampling) -> None:
         self.sampling = sampling

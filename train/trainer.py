@@ -1,4 +1,4 @@
-"""The one training loop, shared by every algorithm (EAGLE now; Medusa and diffusion later).
+"""The one training loop, shared by every drafter family.
 
 Accelerate handles devices and processes (single process, DDP, FSDP, DeepSpeed ZeRO). The loop:
 batches of packed-by-length samples -> target features (``data.features``: online, cached in RAM,
@@ -28,10 +28,10 @@ import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from draftlab.data.dataset import batches_by_tokens, collate
-from draftlab.errors import DraftlabError
 from draftlab import checkpoint as ckpt
 from draftlab.atomic import publish, write_json
+from draftlab.data.dataset import batches_by_tokens, collate
+from draftlab.errors import DraftlabError
 from draftlab.train.optimizer_state import load_zero_optimizer, save_zero_optimizer
 
 
