@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file, save_file
 
-from draftlab import atomic
 from draftlab import checkpoint as ckpt
 from draftlab.errors import DraftlabError
 from draftlab.export.exporter import export_checkpoint
@@ -26,45 +24,18 @@ from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.proposer import Chain, DynamicTree, StaticTree, load_proposer
 from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter, MedusaLoss
+from tiny import assert_one_line, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint
+
 
 # ---------------------------------------------------------------------------- helpers
-def _samples(target, n=6, T=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, target.vocab_size, (T,), generator=g), "loss_mask": torch.ones(T, dtype=torch.bool)}
-            for _ in range(n)]
-
-
 def _drafter(target, heads=3, layers=1, vd=0, perturb=True):
-    d = MedusaDrafter.build(MedusaConfig(num_heads=heads, num_layers=layers, draft_vocab_size=vd), target, _samples(target))
+    d = MedusaDrafter.build(MedusaConfig(num_heads=heads, num_layers=layers, draft_vocab_size=vd), target, random_samples(target, n=6))
     if perturb:  # every weight away from its init, so swapped or dropped tensors show
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in d.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
     return d.eval()
-
-
-def _save(drafter, target, path, recipe=None):
-    with atomic.directory(path) as tmp:
-        ckpt.save_weights(tmp, drafter.state_dict(), ckpt.checkpoint_meta(drafter, target.identity, recipe, 7))
-    return path
-
-
-def _final(target, ids):
-    return target(ids, layers=[target.num_layers], logits=None).hidden[target.num_layers]
-
-
-def _padded_batch(target):
-    """Two right-padded rows with prompt tokens (loss_mask False) and different lengths."""
-    rows = [s["input_ids"] for s in _samples(target, n=2, T=14, seed=3)]
-    rows[1] = rows[1][:9]
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    attn = torch.zeros_like(ids, dtype=torch.bool)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        attn[b, : len(r)] = True
-        mask[b, 3 : len(r)] = True
-    return rows, {"input_ids": ids, "loss_mask": mask, "attention_mask": attn.long()}
 
 
 def _full_vocab_logits(d, logits):
@@ -88,7 +59,7 @@ def test_heads_shapes_and_zero_init_equal_the_target_lm_head(tiny_llama, vd):
     assert state["blocks.2.layers.1.weight"].shape == (H, H) and d.t2d.sum() == n
     assert d.blocks[0].layers[0] is not d.blocks[0].layers[1]  # distinct weights per block
     assert all(not p.any() for k, p in state.items() if k.startswith("blocks."))
-    h = _final(t, _samples(t, n=1)[0]["input_ids"][None])
+    h = final_hidden(t, random_samples(t, n=1)[0]["input_ids"][None])
     ref = t.lm_head(h)[..., d.t2d]
     for i in range(3):
         torch.testing.assert_close(d.head_logits(h, i), ref, rtol=0, atol=1e-6)
@@ -115,16 +86,16 @@ def test_loss_functions_on_hand_computed_values():
 def test_training_loss_matches_a_position_by_position_computation(tiny_llama, targets):
     t = tiny_llama
     d = _drafter(t, heads=3, layers=2, vd=48)
-    rows, batch = _padded_batch(t)
+    rows, batch = padded_batch(t, 14, 9)
     cfg = MedusaLoss(head_weight=1.5, decay=0.8, targets=targets)
-    loss, metrics = d.training_loss(batch, {t.num_layers: _final(t, batch["input_ids"])}, cfg)
+    loss, metrics = d.training_loss(batch, {t.num_layers: final_hidden(t, batch["input_ids"])}, cfg)
 
     W, kept = t.lm_head.weight, d.t2d.nonzero().squeeze(1).tolist()
     want, acc = torch.zeros(()), []
     for i in range(3):
         terms, hits = [], []
         for b, ids in enumerate(rows):
-            f = _final(t, ids[None])[0]
+            f = final_hidden(t, ids[None])[0]
             for pos in range(len(ids) - 2 - i):
                 if not batch["loss_mask"][b, pos + 2 + i]:
                     continue
@@ -142,16 +113,16 @@ def test_training_loss_matches_a_position_by_position_computation(tiny_llama, ta
     assert metrics["acc"] == pytest.approx(acc) and len(metrics["top5"]) == 3
     assert all(a5 >= a1 for a1, a5 in zip(metrics["acc"], metrics["top5"]))
     # the cached derived target gives the same loss
-    cached = {**batch, **d.derived_targets({t.num_layers: _final(t, batch["input_ids"])}, batch)}
-    assert d.training_loss(cached, {t.num_layers: _final(t, batch["input_ids"])}, cfg)[0].item() == pytest.approx(loss.item())
+    cached = {**batch, **d.derived_targets({t.num_layers: final_hidden(t, batch["input_ids"])}, batch)}
+    assert d.training_loss(cached, {t.num_layers: final_hidden(t, batch["input_ids"])}, cfg)[0].item() == pytest.approx(loss.item())
 
 
 def test_a_few_training_steps_lower_the_loss(tiny_llama):
     t = tiny_llama
     torch.manual_seed(0)
     d = _drafter(t, heads=2, layers=1, perturb=False).train()
-    _, batch = _padded_batch(t)
-    hidden = {t.num_layers: _final(t, batch["input_ids"])}
+    _, batch = padded_batch(t, 14, 9)
+    hidden = {t.num_layers: final_hidden(t, batch["input_ids"])}
     batch = {**batch, **d.derived_targets(hidden, batch)}
     opt = torch.optim.Adam(d.parameters(), lr=1e-2)
     losses = []
@@ -180,7 +151,7 @@ def medusa_ckpt(tiny_llama, tmp_path_factory):
     d = _drafter(t, heads=3, layers=1, perturb=False).train()
     ids = torch.cat([_prompt(t), torch.tensor(generate_plain(t, _prompt(t), 40).tokens)])[None]
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool), "attention_mask": torch.ones_like(ids)}
-    hidden = {t.num_layers: _final(t, ids)}
+    hidden = {t.num_layers: final_hidden(t, ids)}
     opt = torch.optim.Adam(d.parameters(), lr=3e-2)
     for _ in range(40):
         loss, metrics = d.training_loss(batch, hidden, MedusaLoss(targets="data"))
@@ -188,7 +159,7 @@ def medusa_ckpt(tiny_llama, tmp_path_factory):
         loss.backward()
         opt.step()
     assert min(metrics["acc"]) > 0.8
-    return _save(d.eval(), t, tmp_path_factory.mktemp("medusa") / "ckpt")
+    return save_checkpoint(d.eval(), t, tmp_path_factory.mktemp("medusa") / "ckpt")
 
 
 @pytest.mark.parametrize(
@@ -264,7 +235,7 @@ def vllm_medusa_logits(state: dict, config: dict, h: torch.Tensor) -> list[torch
 def test_vllm_export_is_what_vllms_medusa_module_loads(tiny_llama, tmp_path, vd, layers):
     t = tiny_llama
     d = _drafter(t, heads=3, layers=layers, vd=vd)
-    out = export_checkpoint(_save(d, t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
+    out = export_checkpoint(save_checkpoint(d, t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["MedusaModel"] and config["model_type"] == "medusa"
     assert {k: config[k] for k in ("num_heads", "num_hidden_layers", "hidden_size", "vocab_size", "truncated_vocab_size")} == {
@@ -273,7 +244,7 @@ def test_vllm_export_is_what_vllms_medusa_module_loads(tiny_llama, tmp_path, vd,
     assert config["medusa_fc_bias"] is True
     state = load_file(out / "model.safetensors")
     assert {k: tuple(v.shape) for k, v in state.items()} == vllm_medusa_parameters(config)
-    h = _final(t, _samples(t, n=1)[0]["input_ids"][None])
+    h = final_hidden(t, random_samples(t, n=1)[0]["input_ids"][None])
     with torch.no_grad():
         for i, theirs in enumerate(vllm_medusa_logits(state, config, h)):
             torch.testing.assert_close(theirs, _full_vocab_logits(d, d.head_logits(h, i)), rtol=0, atol=1e-5)
@@ -281,7 +252,7 @@ def test_vllm_export_is_what_vllms_medusa_module_loads(tiny_llama, tmp_path, vd,
 
 
 def _round_trip(d, t, tmp_path, engine, fmt):
-    out = export_checkpoint(_save(d, t, tmp_path / "ckpt"), engine, tmp_path / engine, t)
+    out = export_checkpoint(save_checkpoint(d, t, tmp_path / "ckpt"), engine, tmp_path / engine, t)
     d2, meta = ckpt.load_drafter(import_checkpoint(out, fmt, tmp_path / f"{fmt}-back", t), t)
     assert meta["imported_from"]["format"] == fmt and meta["drafter"] == d.meta()
     a, b = d.state_dict(), d2.state_dict()
@@ -313,15 +284,15 @@ def test_medusa_llm_loads_the_export_and_its_heads_match(tiny_llama, tiny_target
     mm = pytest.importorskip("medusa.model.medusa_model")
     t = tiny_llama
     d = _drafter(t, heads=3, layers=1)  # medusa-llm repeats one ResBlock object per head: 1 block
-    out = export_checkpoint(_save(d, t, tmp_path / "ckpt"), "medusa", tmp_path / "medusa", t)
+    out = export_checkpoint(save_checkpoint(d, t, tmp_path / "ckpt"), "medusa", tmp_path / "medusa", t)
     config = json.loads((out / "config.json").read_text())
     # what MedusaModel.from_pretrained does after loading its base model: build the heads, load the .pt
     model = mm.MedusaModel(t.model, config["medusa_num_heads"], config["medusa_num_layers"], str(tiny_target_dirs["llama"]))
     model.medusa_head.load_state_dict(torch.load(out / "medusa_lm_head.pt", weights_only=True), strict=True)
-    ids = _samples(t, n=1)[0]["input_ids"][None]
+    ids = random_samples(t, n=1)[0]["input_ids"][None]
     with torch.no_grad():
         theirs = model(ids)  # [heads, B, T, V] from the base model's last hidden state
-        ours = torch.stack([d.head_logits(_final(t, ids), i) for i in range(3)])
+        ours = torch.stack([d.head_logits(final_hidden(t, ids), i) for i in range(3)])
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
 
 
@@ -330,7 +301,7 @@ def test_vllm_import_reads_other_writers_conventions(tiny_llama, tmp_path):
     order and ``logit_scale`` are all read as vLLM reads them: the same drafter comes back."""
     t = tiny_llama
     d = _drafter(t, heads=2, layers=1, vd=48)
-    out = export_checkpoint(_save(d, t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
+    out = export_checkpoint(save_checkpoint(d, t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
     state, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
     perm = torch.randperm(48, generator=torch.Generator().manual_seed(0))
     state["token_map"] = state["token_map"][perm].contiguous()
@@ -350,7 +321,7 @@ def test_vllm_import_original_lm_head_shares_head_zero(tiny_llama, tmp_path):
     with torch.no_grad():
         for head in d.lm_heads[1:]:
             head.weight.copy_(d.lm_heads[0].weight)
-    out = export_checkpoint(_save(d, t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
+    out = export_checkpoint(save_checkpoint(d, t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
     state, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
     save_file({k: v for k, v in state.items() if not k.startswith(("lm_heads.1.", "lm_heads.2."))}, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps({**config, "original_lm_head": True}))
@@ -359,11 +330,6 @@ def test_vllm_import_original_lm_head_shares_head_zero(tiny_llama, tmp_path):
 
 
 # ---------------------------------------------------------------------------- one-line errors
-def _one_line(excinfo, match):
-    msg = str(excinfo.value)
-    assert "\n" not in msg and re.search(match, msg), msg
-
-
 @pytest.mark.parametrize(
     "override,match",
     [("drafter.num_heads=0", "drafter.num_heads: Input should be greater than or equal to 1"),
@@ -378,18 +344,7 @@ def test_bad_recipes_are_one_line_errors(tmp_path, override, match):
     load_recipe(path)  # the defaults are a valid Medusa recipe
     with pytest.raises(DraftlabError) as e:
         load_recipe(path, [override])
-    _one_line(e, match)
-
-
-def _edit(path, meta=None, weights=None):
-    if meta:
-        m = json.loads((path / ckpt.META).read_text())
-        meta(m["drafter"])
-        (path / ckpt.META).write_text(json.dumps(m))
-    if weights:
-        s = load_file(path / ckpt.WEIGHTS)
-        weights(s)
-        save_file(s, path / ckpt.WEIGHTS)
+    assert_one_line(e, match)
 
 
 @pytest.mark.parametrize(
@@ -405,15 +360,15 @@ def _edit(path, meta=None, weights=None):
     ],
 )
 def test_bad_checkpoints_are_one_line_errors(tiny_llama, tmp_path, case, edit, match):
-    path = _save(_drafter(tiny_llama, heads=3, perturb=False), tiny_llama, tmp_path / "ckpt")
-    _edit(path, **edit)
+    path = save_checkpoint(_drafter(tiny_llama, heads=3, perturb=False), tiny_llama, tmp_path / "ckpt")
+    edit_checkpoint(path, **edit)
     with pytest.raises(DraftlabError) as e:
         ckpt.load_drafter(path, tiny_llama)
-    _one_line(e, match)
+    assert_one_line(e, match)
 
 
 def _vllm_export(t, tmp_path, vd=48):
-    return export_checkpoint(_save(_drafter(t, heads=2, vd=vd), t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
+    return export_checkpoint(save_checkpoint(_drafter(t, heads=2, vd=vd), t, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", t)
 
 
 def _rewrite(out, config=None, tensors=None, weights="model.safetensors"):
@@ -448,14 +403,14 @@ def test_bad_vllm_imports_are_one_line_errors(tiny_llama, tmp_path, case):
     _rewrite(out, **edit)
     with pytest.raises(DraftlabError) as e:
         import_checkpoint(out, "medusa-vllm", tmp_path / "back", tiny_llama)
-    _one_line(e, match)
+    assert_one_line(e, match)
     assert not (tmp_path / "back").exists()
 
 
 def test_fasterdecoding_export_refuses_a_reduced_vocabulary(tiny_llama, tmp_path):
     with pytest.raises(DraftlabError) as e:
-        export_checkpoint(_save(_drafter(tiny_llama, vd=48), tiny_llama, tmp_path / "ckpt"), "medusa", tmp_path / "out", tiny_llama)
-    _one_line(e, r"--to medusa: FasterDecoding's Medusa heads project onto the full vocabulary .* export --to vllm")
+        export_checkpoint(save_checkpoint(_drafter(tiny_llama, vd=48), tiny_llama, tmp_path / "ckpt"), "medusa", tmp_path / "out", tiny_llama)
+    assert_one_line(e, r"--to medusa: FasterDecoding's Medusa heads project onto the full vocabulary .* export --to vllm")
     assert not (tmp_path / "out").exists()
 
 
@@ -474,12 +429,12 @@ BAD_FASTERDECODING = {
 def test_bad_fasterdecoding_imports_are_one_line_errors(tiny_llama, tmp_path, case):
     edit, match = BAD_FASTERDECODING[case]
     t = tiny_llama
-    out = export_checkpoint(_save(_drafter(t, heads=2), t, tmp_path / "ckpt"), "medusa", tmp_path / "fd", t)
+    out = export_checkpoint(save_checkpoint(_drafter(t, heads=2), t, tmp_path / "ckpt"), "medusa", tmp_path / "fd", t)
     (out / "medusa_lm_head.pt").unlink()  # the .safetensors is read first: edit that one alone
     edit(out)
     with pytest.raises(DraftlabError) as e:
         import_checkpoint(out, "medusa", tmp_path / "back", t)
-    _one_line(e, match)
+    assert_one_line(e, match)
 
 
 # ---------------------------------------------------------------------------- the entry point

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from draftlab import atomic
 from draftlab import checkpoint as ckpt
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
@@ -35,21 +33,16 @@ from draftlab.models.medusa2 import (
     load_merged,
     merged_target,
 )
+from tiny import assert_one_line, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint, write_chat
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------- helpers
-def _samples(target, n=4, T=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, target.vocab_size, (T,), generator=g), "loss_mask": torch.ones(T, dtype=torch.bool)}
-            for _ in range(n)]
-
-
 def _drafter(target, heads=2, vd=0, r=8, alpha=16, lora_scale=0.0, seed=1):
     """A fresh drafter; ``lora_scale`` > 0 draws B ~ N(0, lora_scale^2) (B = 0 is the identity)."""
     cfg = Medusa2Config(num_heads=heads, draft_vocab_size=vd, lora_r=r, lora_alpha=alpha)
-    d = Medusa2Drafter.build(cfg, target, _samples(target))
+    d = Medusa2Drafter.build(cfg, target, random_samples(target))
     if lora_scale:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -57,29 +50,6 @@ def _drafter(target, heads=2, vd=0, r=8, alpha=16, lora_scale=0.0, seed=1):
                 if ".lora_B." in name:
                     p.copy_(torch.randn(p.shape, generator=g) * lora_scale)
     return d.eval()
-
-
-def _save(drafter, target, path, recipe=None):
-    with atomic.directory(path) as tmp:
-        ckpt.save_weights(tmp, drafter.state_dict(), ckpt.checkpoint_meta(drafter, target.identity, recipe, 7))
-    return path
-
-
-def _final(target, ids):
-    return target(ids, layers=[target.num_layers], logits=None).hidden[target.num_layers]
-
-
-def _padded_batch(target):
-    """Two right-padded rows with prompt tokens (loss_mask False) and different lengths."""
-    rows = [s["input_ids"] for s in _samples(target, n=2, T=16, seed=3)]
-    rows[1] = rows[1][:11]
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    attn = torch.zeros_like(ids, dtype=torch.bool)
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    for b, row in enumerate(rows):
-        attn[b, : len(row)] = True
-        mask[b, 3 : len(row)] = True
-    return rows, {"input_ids": ids, "loss_mask": mask, "attention_mask": attn.long()}
 
 
 def _peft_model(target_dir, drafter):
@@ -103,7 +73,7 @@ def _prompt(target, text="the quick brown fox"):
 def test_checkpoint_holds_only_heads_and_lora_and_reloads(tiny_llama, tmp_path):
     t = tiny_llama
     d = _drafter(t, heads=2, r=8, lora_scale=0.2)
-    state = load_file(_save(d, t, tmp_path / "ckpt") / ckpt.WEIGHTS)
+    state = load_file(save_checkpoint(d, t, tmp_path / "ckpt") / ckpt.WEIGHTS)
     heads = set(MedusaDrafter.build(MedusaConfig(num_heads=2), t).state_dict())
     lora = {f"lora.{i}.{p}.{ab}.weight" for i in range(t.num_layers) for p in LORA_TARGETS for ab in ("lora_A", "lora_B")}
     assert set(state) == heads | lora  # no base weight of the target
@@ -115,17 +85,17 @@ def test_checkpoint_holds_only_heads_and_lora_and_reloads(tiny_llama, tmp_path):
     assert sum(p.numel() for p in d.parameters()) == sum(v.numel() for k, v in state.items() if v.is_floating_point())
     assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in t.model.modules())
     # a fresh drafter's adapted target is the original (B = 0)
-    ids = _samples(t, n=1)[0]["input_ids"][None]
+    ids = random_samples(t, n=1)[0]["input_ids"][None]
     fresh = _drafter(t, r=8)
     assert all(not p.any() for k, p in fresh.state_dict().items() if ".lora_B." in k)
     with torch.no_grad():
-        torch.testing.assert_close(fresh.adapted_hidden(ids), _final(t, ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(fresh.adapted_hidden(ids), final_hidden(t, ids), rtol=0, atol=1e-5)
         # reloaded, the adapters its peft layers run are the saved ones
         d2, meta = ckpt.load_drafter(tmp_path / "ckpt", t)
         assert meta["drafter"]["lora_targets"] == list(LORA_TARGETS) and meta["drafter"]["lora_r"] == 8
         assert all(torch.equal(v, d2.state_dict()[k]) for k, v in d.state_dict().items())
         torch.testing.assert_close(d2.adapted_hidden(ids), d.adapted_hidden(ids), rtol=0, atol=0)
-        assert (d.adapted_hidden(ids) - _final(t, ids)).abs().max() > 1e-2
+        assert (d.adapted_hidden(ids) - final_hidden(t, ids)).abs().max() > 1e-2
 
 
 def test_training_loss_matches_peft_position_by_position(tiny_llama, tiny_target_dirs):
@@ -133,10 +103,10 @@ def test_training_loss_matches_peft_position_by_position(tiny_llama, tiny_target
     loss token; head i at t reads peft's adapted h'_t and is distilled to the original at t+1+i."""
     t = tiny_llama
     d = _drafter(t, heads=2, vd=48, lora_scale=0.1)
-    rows, batch = _padded_batch(t)
+    rows, batch = padded_batch(t, 16, 11)
     cfg = Medusa2Loss(head_weight=0.5, decay=0.8, lm_weight=1.5)
     with torch.no_grad():
-        loss, metrics = d.training_loss(batch, {t.num_layers: _final(t, batch["input_ids"])}, cfg)
+        loss, metrics = d.training_loss(batch, {t.num_layers: final_hidden(t, batch["input_ids"])}, cfg)
         model = _peft_model(tiny_target_dirs["llama"], d)
         kept = d.t2d.nonzero().squeeze(1).tolist()
         kls, terms, hits = [], [[], []], [[], []]
@@ -167,8 +137,8 @@ def test_training_loss_matches_peft_position_by_position(tiny_llama, tiny_target
 def _train(t, lm_weight, steps=15):
     torch.manual_seed(0)
     d = _drafter(t, heads=2, r=8).train()
-    _, batch = _padded_batch(t)
-    hidden = {t.num_layers: _final(t, batch["input_ids"])}
+    _, batch = padded_batch(t, 16, 11)
+    hidden = {t.num_layers: final_hidden(t, batch["input_ids"])}
     batch = {**batch, **d.derived_targets(hidden, batch)}
     opt = torch.optim.Adam(d.parameters(), lr=1e-2)
     history = []
@@ -201,9 +171,9 @@ def test_a_few_steps_lower_the_loss_and_keep_the_adapted_target_close(tiny_llama
 def test_merged_target_equals_peft_merge_and_adapted_forward(tiny_llama, tiny_target_dirs, tmp_path):
     t = tiny_llama
     d = _drafter(t, heads=2, lora_scale=0.2)
-    ids = _samples(t, n=1, T=20)[0]["input_ids"][None]
+    ids = random_samples(t, n=1, T=20)[0]["input_ids"][None]
     before = t(ids).logits.clone()
-    merged = merged_target(_save(d, t, tmp_path / "ckpt"), t)
+    merged = merged_target(save_checkpoint(d, t, tmp_path / "ckpt"), t)
     ours = merged(ids).logits
     model = _peft_model(tiny_target_dirs["llama"], d)
     with torch.no_grad():
@@ -229,11 +199,11 @@ def fitted_ckpt(tiny_llama, tmp_path_factory):
     t = tiny_llama
     torch.manual_seed(0)
     d = _drafter(t, heads=3, lora_scale=0.3, seed=2).train()
-    path = _save(d, t, tmp_path_factory.mktemp("medusa2") / "perturbed")
+    path = save_checkpoint(d, t, tmp_path_factory.mktemp("medusa2") / "perturbed")
     merged = merged_target(path, t)
     ids = torch.cat([_prompt(t), torch.tensor(generate_plain(merged, _prompt(t), 40).tokens)])[None]
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool), "attention_mask": torch.ones_like(ids)}
-    hidden = {t.num_layers: _final(t, ids)}
+    hidden = {t.num_layers: final_hidden(t, ids)}
     d.lora.requires_grad_(False)  # the heads learn the merged model; it stays as it is
     opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-2)
     for _ in range(40):
@@ -241,7 +211,7 @@ def fitted_ckpt(tiny_llama, tmp_path_factory):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return _save(d.eval(), t, path.parent / "fitted")
+    return save_checkpoint(d.eval(), t, path.parent / "fitted")
 
 
 @pytest.mark.parametrize("shape", [Chain(3), StaticTree(((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))], ids=["chain", "static-tree"])
@@ -258,7 +228,7 @@ def test_speculative_decoding_with_the_merged_target_is_greedy_exact(tiny_llama,
 def test_greedy_divergence_is_zero_for_zero_lora_and_positive_when_perturbed(tiny_llama, fitted_ckpt, tmp_path):
     t = tiny_llama
     prompts = [_prompt(t, s).tolist() for s in ("the quick brown fox", "def add(a, b):", "Hello! How can I help")]
-    zero = checkpoint_divergence(_save(_drafter(t), t, tmp_path / "zero"), t, prompts, max_new_tokens=16)
+    zero = checkpoint_divergence(save_checkpoint(_drafter(t), t, tmp_path / "zero"), t, prompts, max_new_tokens=16)
     assert zero["prompts_differ"] == 0 and zero["share_tokens_differ"] == 0.0 and zero["tokens"] == sum(r["tokens"] for r in zero["per_prompt"]) > 0
     moved = checkpoint_divergence(fitted_ckpt.parent / "perturbed", t, prompts, max_new_tokens=16)
     assert moved["share_prompts_differ"] > 0 and 0 < moved["share_tokens_differ"] <= 1
@@ -278,7 +248,7 @@ def test_export_writes_the_merged_model_and_vllm_heads(tiny_llama, fitted_ckpt, 
 
     t = tiny_llama
     out = export_merged_target(fitted_ckpt, t, tmp_path / "out")
-    ids = _samples(t, n=1, T=20)[0]["input_ids"][None]
+    ids = random_samples(t, n=1, T=20)[0]["input_ids"][None]
     reloaded = Target.load(str(out / "target"))
     torch.testing.assert_close(reloaded(ids).logits, merged_target(fitted_ckpt, t)(ids).logits, rtol=0, atol=1e-5)
     config = json.loads((out / "medusa" / "config.json").read_text())
@@ -291,19 +261,8 @@ def test_export_writes_the_merged_model_and_vllm_heads(tiny_llama, fitted_ckpt, 
 
 
 # ---------------------------------------------------------------------------- the entry point
-WORDS = "the quick brown fox jumps over lazy dog speculative decoding drafts tokens target verifies them".split()
-
-
 def _recipe(tmp_path, target_dir, name, eval_enabled):
-    import random
-
-    rng = random.Random(0)
-    data = tmp_path / "chat.jsonl"
-    with open(data, "w") as f:
-        for _ in range(24):
-            msgs = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=6))},
-                    {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=16))}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
+    data = write_chat(tmp_path / "chat.jsonl", 24)
     recipe = {
         "algorithm": "medusa2", "output_dir": str(tmp_path / name), "target": {"model": str(target_dir)},
         "drafter": {"num_heads": 2, "lora_r": 4, "draft_vocab_size": 64},
@@ -341,11 +300,6 @@ def test_train_entry_point_resumes_bitwise_after_a_kill(tmp_path, tiny_target_di
 
 
 # ---------------------------------------------------------------------------- one-line errors
-def _one_line(excinfo, match):
-    msg = str(excinfo.value)
-    assert "\n" not in msg and re.search(match, msg), msg
-
-
 @pytest.mark.parametrize(
     "override,match",
     [("drafter.lora_r=0", "drafter.lora_r: Input should be greater than or equal to 1"),
@@ -365,18 +319,7 @@ def test_bad_recipes_are_one_line_errors(tmp_path, override, match):
     assert load_recipe(path).algorithm_configs()[2].head_weight == 0.2  # the defaults are a valid Medusa-2 recipe
     with pytest.raises(DraftlabError) as e:
         load_recipe(path, [override])
-    _one_line(e, match)
-
-
-def _edit(path, meta=None, weights=None):
-    if meta:
-        m = json.loads((path / ckpt.META).read_text())
-        meta(m["drafter"])
-        (path / ckpt.META).write_text(json.dumps(m))
-    if weights:
-        s = load_file(path / ckpt.WEIGHTS)
-        weights(s)
-        save_file(s, path / ckpt.WEIGHTS)
+    assert_one_line(e, match)
 
 
 @pytest.mark.parametrize(
@@ -391,15 +334,15 @@ def _edit(path, meta=None, weights=None):
     ],
 )
 def test_bad_checkpoints_are_one_line_errors(tiny_llama, tmp_path, case, edit, match):
-    path = _save(_drafter(tiny_llama), tiny_llama, tmp_path / "ckpt")
-    _edit(path, **edit)
+    path = save_checkpoint(_drafter(tiny_llama), tiny_llama, tmp_path / "ckpt")
+    edit_checkpoint(path, **edit)
     with pytest.raises(DraftlabError) as e:
         ckpt.load_drafter(path, tiny_llama)
-    _one_line(e, match)
+    assert_one_line(e, match)
 
 
 def test_merging_a_medusa1_checkpoint_is_refused(tiny_llama, tmp_path):
     d = MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_llama)
     with pytest.raises(DraftlabError) as e:
-        merged_target(_save(d, tiny_llama, tmp_path / "m1"), tiny_llama)
-    _one_line(e, "a medusa checkpoint, not medusa2")
+        merged_target(save_checkpoint(d, tiny_llama, tmp_path / "m1"), tiny_llama)
+    assert_one_line(e, "a medusa checkpoint, not medusa2")

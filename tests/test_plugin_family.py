@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from draftlab.export.formats import ExportOptions, Format, register
 from draftlab.inference.proposer import PROPOSERS, ChainDraft, Proposer
 from draftlab.models.drafter import DRAFTERS, Drafter
+from tiny import write_chat
 
 ALGORITHM = "toy_bigram"
 
@@ -144,19 +145,8 @@ register(ToyLayout())
 
 # ------------------------------------------------------------------------------------ tests
 REPO = Path(__file__).resolve().parent.parent
-WORDS = "the quick brown fox jumps over lazy dog speculative decoding drafts tokens target verifies them".split()
-
-
 def _recipe(tmp_path: Path, target_dir, name: str) -> Path:
-    import random
-
-    rng = random.Random(0)
-    data = tmp_path / "chat.jsonl"
-    with open(data, "w") as f:
-        for _ in range(30):
-            msgs = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=6))},
-                    {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=16))}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
+    data = write_chat(tmp_path / "chat.jsonl", 30)
     recipe = {
         "algorithm": ALGORITHM,
         "output_dir": str(tmp_path / name),

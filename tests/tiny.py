@@ -80,3 +80,86 @@ def make_tiny_target_dir(path: Path, family: str = "llama", template: str = "cha
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------------------ shared test helpers
+WORDS = "the quick brown fox jumps over lazy dog speculative decoding drafts tokens target verifies them".split()
+
+
+def write_chat(path: Path, conversations: int, assistant_words: int = 16, turns: int = 1, seed: int = 0) -> Path:
+    """A JSONL file of random chats in OpenAI ``messages`` form (``turns`` user/assistant pairs)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(conversations):
+            msgs = []
+            for _ in range(turns):
+                msgs.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=6))})
+                msgs.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=assistant_words))})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def random_samples(target, n: int = 4, T: int = 24, seed: int = 0) -> list[dict]:
+    """``n`` training samples of ``T`` random tokens, every position counted."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, target.vocab_size, (T,), generator=g), "loss_mask": torch.ones(T, dtype=torch.bool)}
+            for _ in range(n)]
+
+
+def save_checkpoint(drafter, target, path: Path, recipe=None, step: int = 7) -> Path:
+    """``drafter`` as a draftlab checkpoint at ``path`` (no trainer state)."""
+    from draftlab import atomic
+    from draftlab import checkpoint as ckpt
+
+    with atomic.directory(path) as tmp:
+        ckpt.save_weights(tmp, drafter.state_dict(), ckpt.checkpoint_meta(drafter, target.identity, recipe, step))
+    return path
+
+
+def final_hidden(target, ids: torch.Tensor) -> torch.Tensor:
+    """The target's last hidden state (after its final norm) for ``ids`` [B, T]."""
+    return target(ids, layers=[target.num_layers], logits=None).hidden[target.num_layers]
+
+
+def padded_batch(target, T: int, short: int):
+    """Two right-padded rows of random tokens, of lengths ``T`` and ``short``, whose first 3
+    positions are prompt (loss_mask False): (rows, batch)."""
+    rows = [s["input_ids"] for s in random_samples(target, n=2, T=T, seed=3)]
+    rows[1] = rows[1][:short]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    attn = torch.zeros_like(ids, dtype=torch.bool)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        attn[b, : len(row)] = True
+        mask[b, 3 : len(row)] = True
+    return rows, {"input_ids": ids, "loss_mask": mask, "attention_mask": attn.long()}
+
+
+def edit_checkpoint(path: Path, meta=None, weights=None) -> None:
+    """Damage a checkpoint in place: ``meta(drafter_meta_dict)`` and ``weights(state_dict)``
+    edit its JSON's drafter section and its tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from draftlab import checkpoint as ckpt
+
+    if meta:
+        m = json.loads((path / ckpt.META).read_text())
+        meta(m["drafter"])
+        (path / ckpt.META).write_text(json.dumps(m))
+    if weights:
+        s = load_file(path / ckpt.WEIGHTS)
+        weights(s)
+        save_file(s, path / ckpt.WEIGHTS)
+
+
+def assert_one_line(excinfo, match: str) -> None:
+    """The raised error's message is one line and matches ``match`` (a regex)."""
+    import re
+
+    msg = str(excinfo.value)
+    assert "\n" not in msg and re.search(match, msg), msg
