@@ -15,6 +15,9 @@ vllm       eagle3    speculators ``Eagle3Speculator`` (vLLM ``Eagle3LlamaForCaus
 sglang     eagle3    SGLang ``LlamaForCausalLMEagle3`` (SpecForge layout)            eagle3_sglang.py
 sglang     eagle1    EAGLE repo layout, ``LlamaForCausalLMEagle`` (fc with bias)     eagle1.py
 vllm       eagle1    EAGLE repo layout, ``LlamaForCausalLM`` (fc without bias)        eagle1.py
+vllm       medusa    vLLM ``MedusaModel`` (``blocks.*``, ``lm_heads.*``, ``token_map``)    medusa.py
+medusa     medusa    FasterDecoding ``medusa_lm_head.safetensors`` / ``.pt`` (TRT-LLM)   medusa.py
+vllm       medusa2   the heads as vLLM ``MedusaModel``, beside the merged target       medusa2.py
 hf         any       draftlab checkpoint + config.json (what ``draftlab eval`` reads)  draftlab_layout.py
 =========  ========  ==============================================================  ===============
 
@@ -55,6 +58,6 @@ re-check their loaders when they move.
 CI installs the peers without their dependency pins (speculators pins transformers<=5.19,
 SpecForge pins torch 2.11 / sglang, eagle-llm pins accelerate 0.21); only their model code is used::
 
-    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 eagle-llm==1.2.1
+    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 eagle-llm==1.2.1 medusa-llm==0.1
     pip install -c scripts/constraints.txt loguru pydantic-settings openai aiohttp
 """
