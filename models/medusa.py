@@ -190,12 +190,19 @@ class MedusaDrafter(Drafter):
         greedy = batch["target_argmax"][need]
         probs = self.target_distribution(final[need]) if cfg.targets == "target" else None
         labels = self.to_draft_ids(ids) if cfg.targets == "data" else None
-        loss = final.new_zeros((), dtype=torch.float32)
+        return self.heads_loss(final, loss_mask, row, probs, labels, greedy, cfg)
+
+    def heads_loss(self, h, loss_mask, row, probs, labels, greedy, cfg: MedusaLoss):
+        """The heads' weighted loss on hidden states ``h`` [B, T, H] and their metrics. Head i at
+        t counts where x_{t+2+i} is an assistant token and imitates the target at s = t+1+i,
+        whose compact row is ``row`` [B, T]: ``probs[row]`` (distillation) or the data's
+        ``labels`` [B, T] (draft ids); ``greedy[row]`` is the target's greedy token there."""
+        loss = h.new_zeros((), dtype=torch.float32)
         head_loss, top1, top5 = [], [], []
         for i, w in enumerate(head_weights(self.num_heads, cfg.head_weight, cfg.decay)):
             counted = predicted_mask(loss_mask, i)  # x_{t+2+i} is an assistant token
             r = shift_left(row, 1 + i, fill=-1)[counted]  # the target's row at s = t+1+i
-            logits = self.head_logits(final[counted], i)
+            logits = self.head_logits(h[counted], i)
             if probs is not None:
                 li = distill_loss(logits, probs[r])
             else:

@@ -39,10 +39,9 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from draftlab.errors import DraftlabError
-from draftlab.losses.eagle import SoftCrossEntropy, predicted_mask, shift_left
-from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
+from draftlab.losses.eagle import SoftCrossEntropy, shift_left
 from draftlab.models.drafter import DRAFTERS
-from draftlab.models.medusa import TOPK_METRIC, MedusaConfig, MedusaDrafter, MedusaLoss
+from draftlab.models.medusa import MedusaConfig, MedusaDrafter, MedusaLoss
 
 # the projections of a decoder layer of every supported family (models/target.py), in layer order
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -219,22 +218,10 @@ class Medusa2Drafter(MedusaDrafter):
             probs = probs / probs.sum(-1, keepdim=True) if self.draft_vocab_size < self.vocab_size else probs
         labels = self.to_draft_ids(ids) if cfg.targets == "data" else None
         greedy = batch["target_argmax"][need]  # the ORIGINAL target's greedy tokens
-        head_loss, top1, top5 = [], [], []
-        for i, w in enumerate(head_weights(self.num_heads, cfg.head_weight, cfg.decay)):
-            counted = predicted_mask(loss_mask, i)
-            r = shift_left(row, 1 + i, fill=-1)[counted]
-            logits = self.head_logits(adapted[counted], i)
-            li = distill_loss(logits, probs[r]) if probs is not None else data_loss(logits, shift_left(labels, 2 + i, fill=-1)[counted])
-            loss = loss + w * li
-            with torch.no_grad():
-                ranked = self.to_target_ids(logits.topk(min(TOPK_METRIC, logits.shape[-1]), dim=-1).indices)
-                a1, a5 = topk_agreement(ranked, greedy[r])
-            head_loss.append(li.item())
-            top1.append(a1)
-            top5.append(a5)
+        heads, metrics = self.heads_loss(adapted, loss_mask, row, probs, labels, greedy, cfg)
         with torch.no_grad():  # how often the adapted target's own greedy token is still the original's
             lm_agree = (lm_logits.argmax(-1) == z0.argmax(-1)).float().mean().item() if lm_logits.numel() else 0.0
-        return loss, {"loss_heads": head_loss, "acc": top1, "top5": top5, "lm_kl": kl.item(), "lm_agree": lm_agree}
+        return loss + heads, {**metrics, "lm_kl": kl.item(), "lm_agree": lm_agree}
 
 
 # ============================================================================ the merged target
