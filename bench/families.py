@@ -23,8 +23,9 @@ runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
      greedy match = prompts whose tokens equal plain decoding's) on ``sharegpt-heldout`` (the
      run's held-out split) and ``spec-bench`` (first turns, round-robin over categories; rows
      skipped with a note when the questions are not found), for two shapes: the recipe's chain
-     (``eval.k``) and a tree: the recipe's ``eval.tree`` dynamic tree where the family drafts
-     one, else a static tree from ``--static-tree``.
+     (``eval.k``; a block of ``eval.k`` for block drafters) and a tree: the recipe's
+     ``eval.tree`` dynamic tree where the family drafts one, else a static tree from
+     ``--static-tree``, else none.
 
 Output: one Markdown table (rows: run x prompt set x shape), the acceptance-curve points, and,
 unless ``--no-append`` or ``--quick``, a section appended to BENCHMARKS.md with the command, the
@@ -170,11 +171,11 @@ def agreement(r: dict, target, drafter, samples: list) -> dict:
 
 
 def shapes_for(r: dict, proposer, static_tree) -> list[tuple[str, object | None, str | None]]:
-    """(name, shape or None, why skipped) for the run's chain and its tree."""
-    from draftlab.inference.proposer import Chain, DynamicTree
+    """(name, shape or None, why skipped) for the run's chain (a block for block drafters) and its tree."""
+    from draftlab.inference.proposer import Block, Chain, DynamicTree
 
     e = r["recipe"].eval
-    out = [(f"chain k={e.k}", Chain(e.k), None)]
+    out = [(f"chain k={e.k}", Chain(e.k), None) if "chain" in proposer.shapes else (f"block k={e.k}", Block(e.k), None)]
     if "dynamic_tree" in proposer.shapes:
         t = e.tree
         out.append((f"tree d{t.depth}/k{t.top_k}/n{t.total_tokens}", DynamicTree(t.depth, t.top_k, t.total_tokens), None))

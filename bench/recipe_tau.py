@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        alpha = " / ".join(f"{a:.2f}" for a in r["alpha"])
+        alpha = " / ".join("-" if a is None else f"{a:.2f}" for a in r["alpha"])  # None: no step reached j
         lines.append(f"| {r['run']} | {r['step']} | {r['train_min']:.1f} | {r['tau']:.2f} | {alpha} | {r['speedup']:.2f}× | "
                      f"{r['greedy']} | {r['eval']} |")
     table = "\n".join(lines)

@@ -18,6 +18,8 @@ vllm       eagle1    EAGLE repo layout, ``LlamaForCausalLM`` (fc without bias)  
 vllm       medusa    vLLM ``MedusaModel`` (``blocks.*``, ``lm_heads.*``, ``token_map``)    medusa.py
 medusa     medusa    FasterDecoding ``medusa_lm_head.safetensors`` / ``.pt`` (TRT-LLM)   medusa.py
 vllm       medusa2   the heads as vLLM ``MedusaModel``, beside the merged target       medusa2.py
+vllm       diffusion speculators ``dflash`` (``DFlashDraftModel``; vLLM ``"dflash"``)      dflash.py
+sglang     diffusion z-lab ``DFlashDraftModel`` (SGLang ``DFLASH``, SpecForge); full vocab  dflash.py
 hf         any       draftlab checkpoint + config.json (what ``draftlab eval`` reads)  draftlab_layout.py
 =========  ========  ==============================================================  ===============
 
@@ -43,7 +45,10 @@ included for EAGLE-3):
   Qwen2-style layers, multi-layer, llama3 RoPE scaling);
 * SpecForge 0.2.0 ``LlamaForCausalLMEagle3`` — the ``--to sglang`` EAGLE-3 files;
 * eagle-llm 1.2.1 (the EAGLE repository's ``cnets.Model``) — both EAGLE-1 exports;
-* round trips export -> import give bit-identical drafters for all three formats.
+* speculators 0.9.0 ``DFlashDraftModel`` (``from_pretrained`` of the ``--to vllm`` files) and
+  SpecForge 0.2.0's z-lab ``DFlashDraftModel`` (the ``--to sglang`` files): block logits equal
+  draftlab's (``tests/test_diffusion_export.py``);
+* round trips export -> import give bit-identical drafters for every format.
 
 Not run (no CUDA builds of the engines on a CPU machine); the facts used were read from their
 loaders and are cited in each mapping module: vLLM's speculators config adapter

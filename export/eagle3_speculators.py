@@ -34,6 +34,7 @@ from draftlab.export.formats import (
     register,
     serving_aux_ids,
     shape_from_config,
+    speculators_config,
     take_zero_bias,
     vocab_maps,
 )
@@ -66,24 +67,11 @@ class SpeculatorsEagle3(Format):
 
     def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
         s = drafter.shape
-        verifier = opts.verifier or target.identity.get("name")
         return {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": opts.speculative_tokens,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
-                "verifier": {"name_or_path": verifier, "architectures": list(target.config.architectures or [])},
-            },
+            "speculators_config": speculators_config("eagle3", opts.speculative_tokens, target, opts),
             "transformer_layer_config": layer_config(s, len(drafter.layers), drafter.vocab_size, "llama"),
             "draft_vocab_size": drafter.lm_head.out_features,
             "target_hidden_size": s.hidden_size,

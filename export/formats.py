@@ -167,10 +167,23 @@ def layer_config(shape, num_layers: int, vocab_size: int, model_type: str = "lla
     d["rope_theta"] = rope.get("rope_theta", 10000.0)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     d["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    if d.get("layer_types"):  # built for one layer: one entry per layer, or readers index past it
+        d["layer_types"] = [d["layer_types"][0]] * num_layers
     for k in _GENERIC_KEYS:
         d.pop(k, None)
     d.update(overrides)
     return d
+
+
+def speculators_config(algorithm: str, tokens: int, target, opts: ExportOptions) -> dict:
+    """speculators' ``speculators_config``: one greedy proposal method of ``tokens`` drafts, and
+    the verifier (``opts.verifier`` or the target's name), which vLLM and speculators load."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "verifier": {"name_or_path": opts.verifier or target.identity.get("name"), "architectures": list(target.config.architectures or [])},
+    }
 
 
 def shape_from_config(config: dict, where: str, target):
@@ -206,13 +219,16 @@ def llama_compatible(drafter, engine_what: str) -> None:
         raise DraftlabError(f"{engine_what} builds Llama decoder layers without q/k/v bias; this drafter (target family {s.model_type}) has them")
 
 
-def serving_aux_ids(aux: list[int], num_target_layers: int, what: str) -> None:
-    """Serving engines capture aux states at decoder-layer inputs 1..L-1 only: index 0 (the
-    embedding) and L (draftlab's post-final-norm state) have no equivalent there."""
-    bad = [i for i in aux if not 1 <= i <= num_target_layers - 1]
-    if bad:
+def serving_aux_ids(aux: list[int], num_target_layers: int, what: str, field: str = "drafter.aux_layers") -> None:
+    """Serving engines capture aux states at decoder-layer inputs 1..L-1 only (index 0, the
+    embedding, and L, draftlab's post-final-norm state, have no equivalent there), each once and
+    in layer order (vLLM: ``if idx in aux_hidden_state_layers`` inside its layer loop), so the
+    features reach ``fc`` ascending whatever order a config lists them in."""
+    L = num_target_layers
+    if any(not 1 <= i <= L - 1 for i in aux) or list(aux) != sorted(set(aux)):
         raise DraftlabError(
-            f"drafter.aux_layers {aux}: {what} can only capture hidden states 1..{num_target_layers - 1} (inputs of decoder layers), not {bad}"
+            f"{field} {list(aux)}: {what} captures target hidden states 1..{L - 1} (inputs of decoder layers), "
+            "each once and in ascending order; retrain with distinct ascending layers in that range"
         )
 
 

@@ -74,8 +74,9 @@ def render(meta: dict, fmt, drafter, config: dict, engine: str, out: str, source
         "",
         f"- algorithm `{meta['algorithm']}`, {n_params / 1e6:.2f}M parameters; architecture: {_scalars(d)}",
     ]
-    if "aux_layers" in d:
-        lines.append(f"- fused target hidden states (draftlab `aux_layers`, HF `hidden_states` indices): {d['aux_layers']}")
+    for key in ("aux_layers", "target_layers"):  # EAGLE-3's and the diffusion drafter's name for them
+        if key in d:
+            lines.append(f"- fused target hidden states (draftlab `{key}`, HF `hidden_states` indices): {d[key]}")
     if "draft_vocab_size" in d:
         lines.append(f"- draft vocabulary: {d['draft_vocab_size']} of {d.get('vocab_size')} target tokens")
     lines += [

@@ -64,14 +64,18 @@ class MedusaProposer(Proposer):
         tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long, device=self.last.device)
         return ChainDraft(self.drafter.to_target_ids(tokens), None)
 
+    @classmethod
+    def check(cls, shape, drafter) -> None:
+        if isinstance(shape, StaticTree) and shape.max_depth > drafter.num_heads:
+            raise DraftlabError(f"static tree: depth {shape.max_depth} needs {shape.max_depth} Medusa heads, this drafter has {drafter.num_heads}")
+        if isinstance(shape, StaticTree) and shape.max_rank > drafter.draft_vocab_size:
+            raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {drafter.draft_vocab_size}")
+
     @torch.no_grad()
     def _static_tree(self, shape: StaticTree) -> DraftTree:
         """Depth d of the tree is head d - 1's guess: a node of rank r holds that head's r-th
         most likely token, whatever its parent (Medusa's Cartesian candidates)."""
         d = self.drafter
-        if shape.max_depth > d.num_heads:
-            raise DraftlabError(f"static tree: depth {shape.max_depth} needs {shape.max_depth} Medusa heads, this drafter has {d.num_heads}")
-        if shape.max_rank > d.draft_vocab_size:
-            raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {d.draft_vocab_size}")
+        self.check(shape, d)
         ranked = torch.stack([self._logits(i).topk(shape.max_rank).indices for i in range(shape.max_depth)])
         return shape.draft(d.to_target_ids(ranked))

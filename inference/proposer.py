@@ -320,6 +320,13 @@ class Proposer:
         target, and the plain baseline a speedup is measured against decodes with it too."""
         return target
 
+    @classmethod
+    def check(cls, shape: Shape, drafter) -> None:
+        """Refuse (one-line DraftlabError) a shape of a supported kind that ``drafter`` cannot
+        fill: a block longer than it drafts, a tree deeper than its heads. Training calls it
+        before the first step, so a recipe's eval shape fails at start, not at the first
+        checkpoint. Default: every shape of a supported kind fits."""
+
     def configure(self, sampling: Sampling) -> None:
         self.sampling = sampling
 

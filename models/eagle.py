@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from draftlab.errors import DraftlabError
 from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
 from draftlab.models.drafter import DRAFTERS, Drafter
+from draftlab.models.feature_scale import feature_inverse_rms
 from draftlab.models.layers import DecoderLayer, DraftKVCache, LayerShape, RMSNorm, Rotary, ttt_attention
 
 
@@ -118,10 +119,7 @@ class Eagle3Drafter(EagleBase):
         super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, fuse_embedding=True))
         H = shape.hidden_size
         self.aux_layers = list(aux_layers)
-        # Target features carry "massive activations" (SmolLM2's layer-27 state has channels
-        # with |x| ~ 400 next to an RMS of ~20): a fixed per-channel 1/RMS in front of fc keeps
-        # them from dominating the fused feature and Adam's updates. Linear, so an export folds
-        # it into fc.weight and serving engines see a plain EAGLE-3 fc.
+        # a fixed per-channel 1/RMS in front of fc (models/feature_scale.py), folded into fc on export
         self.register_buffer("fc_input_scale", torch.ones(len(aux_layers) * H) if normalize_fc_input else None)
         self.num_target_layers = None  # set by build/from_meta; hidden[L] gives the target logits
         self.fc = nn.Linear(len(aux_layers) * H, H, bias=False)
@@ -285,21 +283,6 @@ class Eagle3Drafter(EagleBase):
                 step_acc.append(hit.float().mean().item() if hit.numel() else 0.0)
             step_loss.append(li.item())
         return loss, {"loss_steps": step_loss, "acc": step_acc}
-
-
-@torch.no_grad()
-def feature_inverse_rms(target, layers: list[int], samples, max_samples: int = 16, max_tokens: int = 512) -> torch.Tensor:
-    """1 / per-channel RMS of the concatenated target features over a few training samples."""
-    sq, n = None, 0
-    for s in (samples or [])[:max_samples]:
-        ids = s["input_ids"][:max_tokens].to(target.device)[None]
-        hidden = target(ids, layers=layers, logits=None).hidden
-        x = torch.cat([hidden[i][0] for i in layers], dim=-1).float()
-        sq = x.pow(2).sum(0) if sq is None else sq + x.pow(2).sum(0)
-        n += x.shape[0]
-    if not n:
-        raise DraftlabError("drafter.normalize_fc_input needs training samples to measure feature scales")
-    return (sq / n).sqrt().clamp_min(1e-3).reciprocal()
 
 
 # ============================================================================ EAGLE-1

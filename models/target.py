@@ -251,6 +251,11 @@ class Target:
     def lm_head(self) -> torch.nn.Linear:
         return self.model.lm_head
 
+    def decoder_layer_state(self, i: int) -> dict[str, torch.Tensor]:
+        """Decoder layer ``i``'s weights under HF's names (``self_attn.q_proj.weight``,
+        ``mlp.down_proj.weight``, ``input_layernorm.weight`` ...), as drafters copy them."""
+        return {k: v.detach() for k, v in self._backbone.layers[i].state_dict().items()}
+
     def layer_config(self):
         """The HF config a drafter's decoder layer copies (attention shape, MLP, RoPE, eps)."""
         return self.config

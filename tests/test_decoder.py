@@ -23,6 +23,7 @@ from draftlab.inference.proposer import (
     process_logits,
 )
 from draftlab.inference.tree import ancestor_mask, tree_verify_inputs, validate_tree
+from tiny import chi2_pvalue, exact_joint
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens"
 REF_LEN = 40
@@ -269,31 +270,6 @@ def test_sampling_is_reproducible(tiny_llama, shape):
     assert p1.tokens == generate_plain(tiny_llama, prompt, 16, temperature=0.9, top_p=0.95, seed=7).tokens
 
 
-def _exact_joint(target, prompt, depth, temperature, top_k):
-    """{(t0, .., t_{depth-1}): probability} of the target's first tokens under processing."""
-    joint = {(): 1.0}
-    for _ in range(depth):
-        seqs = list(joint)
-        logits = target(torch.tensor([prompt + list(s) for s in seqs]), logits="last").logits[:, -1]
-        probs = process_logits(logits, temperature, top_k)
-        joint = {
-            s + (t,): joint[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in probs[i].nonzero().flatten().tolist()
-        }
-    return joint
-
-
-def _chi2_pvalue(counts: Counter, joint: dict, n: int) -> float:
-    """Chi-square goodness of fit; cells expecting fewer than 5 draws are pooled."""
-    assert set(counts) <= set(joint), f"sampled outside the target's support: {set(counts) - set(joint)}"
-    big = [c for c, p in joint.items() if p * n >= 5]
-    small = [c for c in joint if c not in big]
-    obs = [counts[c] for c in big] + ([sum(counts[c] for c in small)] if small else [])
-    exp = [joint[c] * n for c in big] + ([sum(joint[c] for c in small) * n] if small else [])
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize(
     "shape,point_mass",
     [(Chain(2), False), (Chain(2), True), (DynamicTree(2, 2, 6), True)],
@@ -304,7 +280,7 @@ def test_sampling_preserves_target_distribution(tiny_llama, shape, point_mass):
     follow the target's top-k=3 distribution: 27 cells, chi-square test."""
     prompt = _prompt_ids(tiny_llama)
     temperature, top_k, n = 1.0, 3, 600
-    joint = _exact_joint(tiny_llama, prompt, 3, temperature, top_k)
+    joint = exact_joint(tiny_llama, prompt, 3, temperature, top_k)
     prop = PerturbedProposer(tiny_llama, scale=1.0, seed=5, point_mass=point_mass)
     dec = SpeculativeDecoder(tiny_llama, prop)
     counts, steps = Counter(), Counter()
@@ -313,12 +289,12 @@ def test_sampling_preserves_target_distribution(tiny_llama, shape, point_mass):
         counts[tuple(r.tokens)] += 1
         steps.update(r.accept_lengths[:1])
     assert len(steps) == 3, steps  # first verify step accepted 0, 1 and 2 drafts at times
-    pv = _chi2_pvalue(counts, joint, n)
+    pv = chi2_pvalue(counts, joint, n)
     # The test has power: the same counts are far from a distribution that differs in t1/t2.
-    skewed = _exact_joint(tiny_llama, prompt, 3, temperature, 2)
+    skewed = exact_joint(tiny_llama, prompt, 3, temperature, 2)
     skewed = {c: 0.7 * joint[c] + 0.3 * skewed.get(c, 0.0) for c in joint}
     assert pv > 1e-3
-    assert _chi2_pvalue(counts, skewed, n) < 1e-3
+    assert chi2_pvalue(counts, skewed, n) < 1e-3
 
 
 # ---------------------------------------------------------------------- tree utilities

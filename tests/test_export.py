@@ -267,7 +267,7 @@ def test_round_trip_export_import_is_identical(engine, fmt, family, tiny_llama, 
     if fmt == "eagle":
         d = _perturb(Eagle1Drafter.build(Eagle1Config(num_layers=2), target))
     else:
-        d = _eagle3(target, num_layers=2 if fmt == "speculators" else 1, aux=[1, 3, 2])
+        d = _eagle3(target, num_layers=2 if fmt == "speculators" else 1, aux=[1, 2, 3])
     out = export_checkpoint(_save(d, target, tmp_path / "ckpt"), engine, tmp_path / "exp", target)
     back = import_checkpoint(out, fmt, tmp_path / "imported", target)
     d2, meta = ckpt.load_drafter(back, target)
@@ -366,8 +366,9 @@ def test_export_refuses_another_target_and_cli_exits_2(tiny_llama, tiny_target_d
     "engine,build,match",
     [
         ("sglang", lambda t: _eagle3(t, num_layers=2), "only 1-layer drafters"),
-        ("sglang", lambda t: _eagle3(t, aux=[0, 1, 2]), r"capture hidden states 1\.\.3"),
-        ("vllm", lambda t: _eagle3(t, aux=[1, 2, 4]), r"capture hidden states 1\.\.3"),
+        ("sglang", lambda t: _eagle3(t, aux=[0, 1, 2]), r"captures target hidden states 1\.\.3"),
+        ("vllm", lambda t: _eagle3(t, aux=[1, 2, 4]), r"captures target hidden states 1\.\.3"),
+        ("vllm", lambda t: _eagle3(t, aux=[1, 3, 2]), "each once and in ascending order"),  # engines feed fc ascending
         ("vllm", lambda t: _perturb(Eagle1Drafter.build(Eagle1Config(), t)), "fc without bias"),
     ],
 )

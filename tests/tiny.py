@@ -163,3 +163,31 @@ def assert_one_line(excinfo, match: str) -> None:
 
     msg = str(excinfo.value)
     assert "\n" not in msg and re.search(match, msg), msg
+
+
+@torch.no_grad()
+def exact_joint(target, prompt, depth, temperature, top_k):
+    """{(t0, .., t_{depth-1}): probability} of the target's first tokens under processing."""
+    from draftlab.inference.proposer import process_logits
+
+    joint = {(): 1.0}
+    for _ in range(depth):
+        seqs = list(joint)
+        logits = target(torch.tensor([prompt + list(s) for s in seqs]), logits="last").logits[:, -1]
+        probs = process_logits(logits, temperature, top_k)
+        joint = {
+            s + (t,): joint[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in probs[i].nonzero().flatten().tolist()
+        }
+    return joint
+
+
+def chi2_pvalue(counts, joint: dict, n: int) -> float:
+    """Chi-square goodness of fit; cells expecting fewer than 5 draws are pooled."""
+    assert set(counts) <= set(joint), f"sampled outside the target's support: {set(counts) - set(joint)}"
+    big = [c for c, p in joint.items() if p * n >= 5]
+    small = [c for c in joint if c not in big]
+    obs = [counts[c] for c in big] + ([sum(counts[c] for c in small)] if small else [])
+    exp = [joint[c] * n for c in big] + ([sum(joint[c] for c in small) * n] if small else [])
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))

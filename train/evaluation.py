@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 class CheckpointEvaluator:
-    def __init__(self, recipe, target, samples):
+    def __init__(self, recipe, target, samples, drafter=None):
         from draftlab.inference.prompts import load_prompts
 
         from draftlab.inference.proposer import PROPOSERS, check_shape
@@ -19,7 +19,10 @@ class CheckpointEvaluator:
         self.dir = Path(recipe.output_dir) / "eval"
         e = recipe.eval
         # a shape the family cannot draft fails now, not after the first checkpoint
-        check_shape(e.shape(), PROPOSERS.get(recipe.algorithm, "algorithm").shapes, recipe.algorithm)
+        proposer = PROPOSERS.get(recipe.algorithm, "algorithm")
+        check_shape(e.shape(), proposer.shapes, recipe.algorithm)
+        if drafter is not None:
+            proposer.check(e.shape(), drafter)
         self.prompts = load_prompts(e.data, target.tokenizer, e.num_prompts, data_spec=recipe.data)
 
     def history(self) -> list[dict]:
@@ -31,7 +34,8 @@ class CheckpointEvaluator:
     def __call__(self, checkpoint_dir: Path) -> dict:
         from draftlab.inference.evaluate import evaluate
         from draftlab.inference.proposer import load_proposer
-        from draftlab.inference.report import markdown_table, write_report
+        from draftlab.checkpoint import read_meta
+        from draftlab.inference.report import markdown, write_report
 
         e = self.recipe.eval
         step = int(Path(checkpoint_dir).name.split("-")[-1])
@@ -50,8 +54,13 @@ class CheckpointEvaluator:
         )
         report["step"] = step
         report["checkpoint"] = str(checkpoint_dir)
+        # training's per-position accuracy beside the served acceptance: a gap between them is
+        # a train/serve mismatch that must not go unseen (inference/report.py train_serve_gap)
+        acc = (read_meta(checkpoint_dir).get("metrics") or {}).get("acc")
+        if isinstance(acc, list) and acc:
+            report["train_acc"] = acc
         history = [r for r in self.history() if r.get("step") != step]
         write_report(report, self.dir / f"step-{step:07d}.json", history=history)
         write_report(report, self.dir / "latest.json", history=history)
-        print(f"\neval @ step {step} ({e.data}, {len(self.prompts)} prompts, {e.method}):\n{markdown_table(report)}", flush=True)
+        print(f"\neval @ step {step} ({e.data}, {len(self.prompts)} prompts, {e.method}):\n{markdown(report)}", flush=True)
         return report

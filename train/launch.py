@@ -53,7 +53,7 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     # Drafter weights stay fp32 (master weights) whatever the target's dtype.
     drafter = algo.build(drafter_cfg, target, samples.train).float()
     features = FeatureSource(recipe.capture, target, drafter, samples.train, recipe.data.model_dump(mode="json"))
-    evaluator = CheckpointEvaluator(recipe, target, samples) if recipe.eval.enabled else None
+    evaluator = CheckpointEvaluator(recipe, target, samples, drafter) if recipe.eval.enabled else None
     # Different ranks draw different noise, reproducibly.
     seed_everything(recipe.seed * 1000 + accelerator.process_index + 1)
     trainer = Trainer(recipe, accelerator, target, drafter, loss_cfg, samples.train, features, evaluate=evaluator)
