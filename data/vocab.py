@@ -52,3 +52,14 @@ def build_draft_vocab(samples: Iterable[dict], target_vocab_size: int, draft_voc
     d2t = kept - torch.arange(N)
     return d2t, chosen
 
+
+
+def draft_vocab(samples, target_vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's ``(d2t, t2d)``: :func:`build_draft_vocab` over the training ``samples`` for a
+    reduced vocabulary, the identity (zero offsets, every token kept) for the full one."""
+    V, N = int(target_vocab_size), int(draft_vocab_size)
+    if N >= V:
+        return torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+    if not samples:
+        raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
+    return build_draft_vocab(samples, V, N)

@@ -131,7 +131,7 @@ class DiffusionDrafter(Drafter):
 
     @classmethod
     def build(cls, cfg: DiffusionConfig, target, samples=None) -> "DiffusionDrafter":
-        from draftlab.data.vocab import build_draft_vocab
+        from draftlab.data.vocab import draft_vocab
 
         L, V = target.num_layers, target.vocab_size
         layers = cfg.target_layers or cls.default_target_layers(L, cfg.num_layers)
@@ -146,12 +146,9 @@ class DiffusionDrafter(Drafter):
         m.num_target_layers = L
         if cfg.normalize_fc_input:
             m.fc_input_scale.copy_(feature_inverse_rms(target, layers, samples))
-        if vd < V:
-            if not samples:
-                raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
-            d2t, t2d = build_draft_vocab(samples, V, vd)
-            m.d2t.copy_(d2t)
-            m.t2d.copy_(t2d)
+        d2t, t2d = draft_vocab(samples, V, vd)
+        m.d2t.copy_(d2t)
+        m.t2d.copy_(t2d)
         with torch.no_grad():
             if cfg.init_from_target:
                 m.init_from_target(target)

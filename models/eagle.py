@@ -132,9 +132,10 @@ class Eagle3Drafter(EagleBase):
     @staticmethod
     def default_aux_layers(num_target_layers: int) -> list[int]:
         """Low, mid and high features: the inputs of decoder layers 2, L//2 and L-3 (the EAGLE
-        reference code and speculators; SpecForge's ids are one lower, see export/eagle3_sglang.py)."""
+        reference code and speculators; SpecForge's ids are one lower, see export/eagle3_sglang.py),
+        ascending and each once, as serving engines capture them (a shallow target maps two to one)."""
         L = num_target_layers
-        return [2, L // 2, L - 3]
+        return sorted({2, L // 2, L - 3})
 
     @classmethod
     def default_capture_layers(cls, num_target_layers: int) -> list[int]:
@@ -142,7 +143,7 @@ class Eagle3Drafter(EagleBase):
 
     @classmethod
     def build(cls, cfg: Eagle3Config, target, samples=None) -> "Eagle3Drafter":
-        from draftlab.data.vocab import build_draft_vocab
+        from draftlab.data.vocab import draft_vocab
 
         L, V = target.num_layers, target.vocab_size
         aux = cfg.aux_layers or cls.default_aux_layers(L)
@@ -154,12 +155,7 @@ class Eagle3Drafter(EagleBase):
         m.num_target_layers = L
         if cfg.normalize_fc_input:
             m.fc_input_scale.copy_(feature_inverse_rms(target, aux, samples))
-        if vd < V:
-            if not samples:
-                raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
-            d2t, t2d = build_draft_vocab(samples, V, vd)
-        else:
-            d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+        d2t, t2d = draft_vocab(samples, V, vd)
         m.d2t.copy_(d2t)
         m.t2d.copy_(t2d)
         if cfg.init_lm_head_from_target:

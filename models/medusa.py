@@ -22,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftlab.errors import DraftlabError
 from draftlab.losses.eagle import predicted_mask, shift_left
 from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
 from draftlab.models.drafter import DRAFTERS, Drafter
@@ -109,18 +108,15 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def build(cls, cfg: MedusaConfig, target, samples=None) -> "MedusaDrafter":
-        from draftlab.data.vocab import build_draft_vocab
+        from draftlab.data.vocab import draft_vocab
 
         V = target.vocab_size
         vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
         m = cls(target.hidden_size, V, vd, cfg.num_heads, cfg.num_layers)
         m.num_target_layers = target.num_layers
-        if vd < V:
-            if not samples:
-                raise DraftlabError("drafter.draft_vocab_size < vocab needs training samples to count tokens")
-            d2t, t2d = build_draft_vocab(samples, V, vd)
-            m.d2t.copy_(d2t)
-            m.t2d.copy_(t2d)
+        d2t, t2d = draft_vocab(samples, V, vd)
+        m.d2t.copy_(d2t)
+        m.t2d.copy_(t2d)
         with torch.no_grad():  # every head starts as the target's own read-out of the draft vocab
             rows = target.lm_head.weight[m.t2d.to(target.device)].float()
             for head in m.lm_heads:

@@ -50,7 +50,7 @@ BAD_CHECKPOINTS = {
                                      "drafter meta lacks 'aux_layers'"),
     "unknown family": (lambda p: _edit_meta(p, lambda m: m.update(algorithm="eagle9")), "unknown drafter family 'eagle9'"),
     "wrong shape": (lambda p: _edit_weights(p, lambda s: s.update({"fc.weight": s["fc.weight"][:, :-1].contiguous()})),
-                    r"tensor fc\.weight \(64, 191\)"),
+                    r"tensor fc\.weight \(64, 127\)"),
     "wrong dtype": (lambda p: _edit_weights(p, lambda s: s.update({"fc.weight": s["fc.weight"].long()})),
                     r"tensor fc\.weight .* torch\.int64, expected .* torch\.float32"),
     "missing tensor": (lambda p: _edit_weights(p, lambda s: s.pop("norm.weight")), r"missing \['norm\.weight'\]"),

@@ -182,9 +182,9 @@ def test_specforge_model_loads_sglang_export_and_matches(rope_llama, tmp_path, m
     d = _eagle3(target, num_layers=1)
     out = export_checkpoint(_save(d, target, tmp_path / "ckpt"), "sglang", tmp_path / "sglang", target)
     config = json.loads((out / "config.json").read_text())
-    L = target.num_layers
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in d.aux_layers]  # SGLang: id+1
-    assert [i - 1 for i in Eagle3Drafter.default_aux_layers(target.num_layers)] == [1, L // 2 - 1, L - 4]  # = SpecForge's default
+    L = 32  # a real depth (the tiny target's 4 layers map two defaults to one)
+    assert [i - 1 for i in Eagle3Drafter.default_aux_layers(L)] == [1, L // 2 - 1, L - 4]  # = SpecForge's default
 
     m = sf.LlamaForCausalLMEagle3(LlamaConfig(**config)).eval()
     exported = load_file(out / "model.safetensors")
@@ -328,7 +328,7 @@ def test_import_reads_pytorch_model_bin_and_sglang_default_aux(tiny_llama, tmp_p
     d1b, _ = ckpt.load_drafter(import_checkpoint(out, "eagle", tmp_path / "i1", tiny_llama), tiny_llama)
     assert all(torch.equal(v, d1b.export_state_dict()[k]) for k, v in d1.export_state_dict().items())
 
-    d3 = _eagle3(tiny_llama)
+    d3 = _eagle3(tiny_llama, aux=Eagle3Drafter.default_aux_layers(tiny_llama.num_layers))
     out = export_checkpoint(_save(d3, tiny_llama, tmp_path / "c3"), "sglang", tmp_path / "e3", tiny_llama)
     config = json.loads((out / "config.json").read_text())
     del config["eagle_config"]
