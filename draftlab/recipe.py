@@ -84,6 +84,28 @@ class EvalSpec(Strict):
     )
     temperature: float = Field(0.0, ge=0)
     baseline: bool = Field(True, description="also time plain decoding for the speedup")
+    batch_sizes: list[int] | None = Field(
+        None, description="also measure speedup by batch size on the same prompts, e.g. [1, 4, 16] (needs baseline)"
+    )
+    adaptive: bool = Field(False, description="with batch_sizes: choose the chain's or block's draft length per step")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes(cls, sizes, info: ValidationInfo):
+        if sizes is None:
+            return sizes
+        if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+            raise PydanticCustomError("batch_sizes", "expected distinct integers >= 1, e.g. [1, 4, 16]")
+        if not info.data.get("baseline", True):
+            raise PydanticCustomError("batch_sizes", "measures speedup over plain batched decoding: needs baseline true")
+        return sizes
+
+    @field_validator("adaptive")
+    @classmethod
+    def _adaptive(cls, value, info: ValidationInfo):
+        if value and (info.data.get("batch_sizes") is None or info.data.get("method", "chain") not in ("chain", "block")):
+            raise PydanticCustomError("adaptive", "needs batch_sizes and method chain or block")
+        return value
 
     @field_validator("static_tree")
     @classmethod

@@ -8,8 +8,8 @@ step reads top to bottom: draft, one target forward, accept (``kernels.accept_ch
 accepted path's slots). The bonus/correction token becomes the next step's "last token" and is
 written to the cache by that next forward. Nothing is ever re-prefilled.
 
-Batch size is 1 (``KVCache`` has one length for the whole batch; rows accept different
-numbers of drafts).
+This decoder runs one sequence; :mod:`draftlab.inference.batch` decodes a batch (a cache
+with one length per row) and measures speedup by batch size.
 """
 
 from __future__ import annotations
@@ -122,6 +122,34 @@ class _Emitter:
 def _prefill(target, prompt: torch.Tensor, layers, cache, sampling: Sampling):
     out = target(prompt[None], layers=list(layers), cache=cache, logits="last")
     return sampling.next_token(out.logits[0, -1]), out.hidden
+
+
+def checked_chain(draft: ChainDraft, shape: Chain | Block, target, name: str):
+    """A proposer's chain draft as (tokens, probabilities or None) on the target's device,
+    checked against ``shape`` and the vocabulary (``name``: the proposer, for the error)."""
+    device, vocab = target.device, target.vocab_size
+    drafts = draft.tokens.reshape(-1).to(device=device, dtype=torch.long)
+    nd = drafts.numel()
+    if nd > shape.k:
+        raise ValueError(f"proposer '{name}' drafted {nd} tokens, more than k={shape.k}")
+    q = draft.probs
+    if q is not None:
+        q = q.to(device=device, dtype=torch.float32)
+        if q.shape != (nd, vocab):
+            raise ValueError(f"proposer '{name}': draft probs {list(q.shape)} != [{nd}, {vocab}]")
+    return drafts, q
+
+
+def checked_tree(tree: DraftTree, shape: Shape, target, name: str) -> DraftTree:
+    """A proposer's tree on the target's device, validated and within ``shape``'s bounds."""
+    tree = DraftTree(*(t.reshape(-1).to(device=target.device, dtype=torch.long) for t in (tree.tokens, tree.parents, tree.depth)))
+    validate_tree(tree, target.vocab_size)
+    nd = tree.tokens.numel()
+    if nd > shape.max_nodes:
+        raise ValueError(f"proposer '{name}' drafted {nd} tree nodes, more than the {shape.kind} allows ({shape.max_nodes})")
+    if nd and int(tree.depth.max()) > shape.max_depth:
+        raise ValueError(f"proposer '{name}' drafted a tree deeper than the {shape.kind} allows ({shape.max_depth})")
+    return tree
 
 
 # ---------------------------------------------------------------------- plain baseline
@@ -257,7 +285,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ one chain (or block) step
     def _chain_step(self, proposer, last: int, shape: Chain | Block, cache, sampling: Sampling) -> _Step:
-        drafts, draft_probs = self._chain_draft(proposer.propose(shape), shape)
+        drafts, draft_probs = checked_chain(proposer.propose(shape), shape, self.target, self.proposer.name)
         past = cache.length
         inputs = torch.cat([drafts.new_tensor([last]), drafts])[None]
         out = self.target(inputs, layers=list(proposer.layers), cache=cache, logits="all")
@@ -266,23 +294,10 @@ class SpeculativeDecoder:
         kept = {i: h[:, : n + 1] for i, h in out.hidden.items()}
         return _Step(tokens, n, drafts.numel(), drafts.numel(), kept)
 
-    def _chain_draft(self, draft: ChainDraft, shape: Chain | Block):
-        """The draft's tokens and probabilities on the target's device, checked against ``shape``."""
-        device, vocab = self.target.device, self.target.vocab_size
-        drafts = draft.tokens.reshape(-1).to(device=device, dtype=torch.long)
-        nd = drafts.numel()
-        if nd > shape.k:
-            raise ValueError(f"proposer '{self.proposer.name}' drafted {nd} tokens, more than k={shape.k}")
-        q = draft.probs
-        if q is not None:
-            q = q.to(device=device, dtype=torch.float32)
-            if q.shape != (nd, vocab):
-                raise ValueError(f"proposer '{self.proposer.name}': draft probs {list(q.shape)} != [{nd}, {vocab}]")
-        return drafts, q
 
     # ------------------------------------------------------------------ one tree step
     def _tree_step(self, proposer, last: int, shape: Shape, cache, sampling: Sampling) -> _Step:
-        tree = self._checked_tree(proposer.propose(shape), shape)
+        tree = checked_tree(proposer.propose(shape), shape, self.target, self.proposer.name)
         past = cache.length
         vi = tree_verify_inputs(last, tree)
         out = self.target(
@@ -297,15 +312,3 @@ class SpeculativeDecoder:
         cache.keep(past, accepted_slots(past, path, n))  # keep the root and the accepted path
         kept = {i: h[:, path] for i, h in out.hidden.items()}
         return _Step(tokens, n, tree.tokens.numel(), vi.max_depth, kept)
-
-    def _checked_tree(self, tree: DraftTree, shape: Shape) -> DraftTree:
-        """The tree on the target's device, validated and within ``shape``'s bounds."""
-        device = self.target.device
-        tree = DraftTree(*(t.reshape(-1).to(device=device, dtype=torch.long) for t in (tree.tokens, tree.parents, tree.depth)))
-        validate_tree(tree, self.target.vocab_size)
-        nd = tree.tokens.numel()
-        if nd > shape.max_nodes:
-            raise ValueError(f"proposer '{self.proposer.name}' drafted {nd} tree nodes, more than the {shape.kind} allows ({shape.max_nodes})")
-        if nd and int(tree.depth.max()) > shape.max_depth:
-            raise ValueError(f"proposer '{self.proposer.name}' drafted a tree deeper than the {shape.kind} allows ({shape.max_depth})")
-        return tree

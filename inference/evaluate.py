@@ -101,6 +101,7 @@ def evaluate(
     return the report dict. ``progress(i, n, spec_result)`` is called after each prompt when given."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
+    verifier_note = proposer.verifier_report(target, prompts, max_new_tokens, eos_token_id)
     target = proposer.verifier(target)
     decoder = SpeculativeDecoder(target, proposer, backend=backend)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
@@ -154,6 +155,7 @@ def evaluate(
         **total.to_dict(baseline),
         "categories": {c: t.to_dict(baseline) for c, t in sorted(by_cat.items())},
         "prompts": per_prompt,
+        **({"verifier_check": verifier_note} if verifier_note else {}),
     }
 
 
@@ -206,6 +208,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts, round-robin over categories")
     p.add_argument("--report", default=None, help="write the JSON report here (plus .md and .png next to it)")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no greedy match)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="also decode the prompts in batches of these sizes (e.g. 1,2,4,8,16): speedup by batch size")
+    p.add_argument("--adaptive", action="store_true",
+                   help="with --batch-sizes: choose the draft length per step (0..--k) from observed acceptance "
+                   "and the verify cost measured at start-up")
 
 
 def check_decoding_options(args) -> None:
@@ -275,8 +282,17 @@ def load_models(args) -> tuple:
 
 def run(args) -> int:
     from draftlab.inference.prompts import load_prompts
-    from draftlab.inference.report import markdown_table, write_report
+    from draftlab.inference.report import batch_table, markdown_table, write_report
 
+    batch_sizes = None
+    if args.batch_sizes is not None:
+        from draftlab.inference.batch_eval import parse_batch_sizes
+
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+    if args.adaptive and (batch_sizes is None or args.method not in ("chain", "block")):
+        raise DraftlabError("--adaptive chooses a chain's or block's draft length per step: it needs --batch-sizes and --method chain or block")
+    if batch_sizes and args.no_baseline:
+        raise DraftlabError("--batch-sizes measures speedup over plain batched decoding: drop --no-baseline")
     data_spec = None
     if args.recipe:
         from draftlab.recipe import load_recipe
@@ -305,7 +321,21 @@ def run(args) -> int:
         label=Path(args.drafter).name,
         progress=progress,
     )
+    if batch_sizes:
+        from draftlab.inference.batch_eval import evaluate_batches
+
+        def batch_progress(B, done, n):
+            print(f"[batch {B}] {done}/{n} prompts", flush=True)
+
+        report["batches"] = evaluate_batches(
+            target, proposer, prompts, shape, batch_sizes, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            eos_token_id=target.tokenizer.eos_token_id, adaptive=args.adaptive, backend=args.backend,
+            progress=batch_progress,
+        )
     print(markdown_table(report), end="")
+    if batch_sizes:
+        print(batch_table(report["batches"]), end="")
     if args.report:
         paths = write_report(report, args.report)
         print(f"report: {', '.join(str(p) for p in paths.values())}")

@@ -26,6 +26,11 @@ class LookupFirstProposer(Proposer):
         self.layers = drafter.layers
         self.lookup_steps = 0  # steps drafted by prompt lookup (the rest: by the drafter)
 
+    def fork(self) -> "LookupFirstProposer":
+        twin = super().fork()
+        twin.drafter, twin.lookup = self.drafter.fork(), self.lookup.fork()
+        return twin
+
     def configure(self, sampling: Sampling) -> None:
         super().configure(sampling)
         self.drafter.configure(sampling)

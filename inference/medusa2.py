@@ -27,3 +27,12 @@ class Medusa2Proposer(MedusaProposer):
 
             self._merged = merge(self._adapted, target)
         return self._merged
+
+    def verifier_report(self, target, prompts, max_new_tokens: int, eos_token_id=None) -> dict:
+        """Decoding is lossless with respect to the merged target, not ``target``: how far the
+        merged target's greedy outputs moved from the original's on the same prompts."""
+        from draftlab.models.medusa2 import greedy_divergence
+
+        moved = greedy_divergence(target, self.verifier(target), prompts, max_new_tokens, eos_token_id)
+        return {"lossless_with_respect_to": "the merged target (original + this checkpoint's LoRA adapters)",
+                "divergence_from_original": moved}

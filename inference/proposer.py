@@ -33,6 +33,12 @@ Protocol, for one sequence (batch size 1):
    were verified and kept (the previous last token and the n accepted drafts; for a tree, the
    root and the accepted path's nodes).
 
+Batches: :meth:`Proposer.batched` gives the proposers of B sequences decoded together
+(:class:`RowProposers`: the same protocol, one call for all rows, rows addressed by position
+among those still decoding). The default forks the proposer once per row; ``advance`` may carry
+several steps' kept tokens at once (the batched decoder advances a row only before it drafts
+again, so plain steps cost no drafting).
+
 Losslessness contract for sampling (temperature > 0): ``ChainDraft.probs[j]`` must be the
 distribution ``tokens[j]`` was actually drawn from, processed by ``sampling.probs`` so the draft
 q sees the same temperature / top-k / top-p as the target's p. A proposer that picks tokens
@@ -43,6 +49,7 @@ Tree siblings must carry distinct tokens.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
@@ -320,6 +327,11 @@ class Proposer:
         target, and the plain baseline a speedup is measured against decodes with it too."""
         return target
 
+    def verifier_report(self, target, prompts, max_new_tokens: int, eos_token_id=None) -> dict | None:
+        """What an acceptance report must say about :meth:`verifier` besides acceptance, measured
+        on ``prompts``; None when the verifier is ``target`` itself (the default)."""
+        return None
+
     @classmethod
     def check(cls, shape: Shape, drafter) -> None:
         """Refuse (one-line DraftlabError) a shape of a supported kind that ``drafter`` cannot
@@ -340,6 +352,45 @@ class Proposer:
 
     def advance(self, accepted: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def fork(self) -> "Proposer":
+        """A proposer for another sequence: the same drafter (weights shared, not copied) with
+        its own per-sequence state. The default shallow copy is right for proposers whose
+        ``start`` sets all of that state anew; one holding other proposers forks them too."""
+        return copy.copy(self)
+
+    def batched(self, n: int, shape: Shape) -> "RowProposers":
+        """The proposer of ``n`` sequences decoded together with drafts of ``shape``'s kind
+        (:mod:`draftlab.inference.batch`). Default: one fork per row, drafting row after row; a
+        family may return its own :class:`RowProposers` subclass that drafts every row at once."""
+        return RowProposers([self.fork() for _ in range(n)])
+
+
+class RowProposers:
+    """Proposers of the rows of a batch, addressed by their position among the rows still
+    decoding; the protocol of :class:`Proposer`, one call for all rows."""
+
+    def __init__(self, rows: list[Proposer]):
+        self.rows = rows
+
+    def configure(self, sampling: Sampling) -> None:
+        for p in self.rows:
+            p.configure(sampling)
+
+    def start(self, row: int, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], next_token: int) -> None:
+        self.rows[row].start(prompt_ids, hidden, next_token)
+
+    def propose(self, shape: Shape) -> list:
+        return [p.propose(shape) for p in self.rows]
+
+    def advance(self, accepted: list[torch.Tensor], hidden: list[dict[int, torch.Tensor]], rows: list[int]) -> None:
+        """Advance the proposers at ``rows`` (positions among the rows still decoding)."""
+        for r, a, h in zip(rows, accepted, hidden):
+            self.rows[r].advance(a, h)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only the proposers at ``rows`` (finished sequences leave the batch)."""
+        self.rows = [self.rows[r] for r in rows]
 
 
 def check_shape(shape, shapes: frozenset[str], drafter: str) -> None:

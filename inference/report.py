@@ -72,11 +72,39 @@ def train_serve_gap(report: dict) -> str | None:
     )
 
 
+def batch_table(batches: dict) -> str:
+    """One row per batch size of a report's ``batches`` section (:mod:`draftlab.inference.batch_eval`)."""
+    adaptive = batches.get("adaptive")
+    head = ["batch", "tok/s", "base tok/s", "speedup", "tau", "draft s", "verify s", "other s", "prefill s",
+            "greedy match", "batched = alone"] + (["draft lengths (k: steps)"] if adaptive else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in batches["entries"]:
+        cells = [str(e["batch_size"]), _fmt(e["tokens_per_s"], 1), _fmt(e["baseline_tokens_per_s"], 1),
+                 _fmt(e.get("speedup")), _fmt(e["tau"])] + [_fmt(e[k]) for k in ("draft_s", "verify_s", "other_s", "prefill_s")]
+        cells += [_fmt(e.get("greedy_match")), _fmt(e.get("batched_vs_alone"))]
+        if adaptive:
+            cells.append(" ".join(f"{k}:{n}" for k, n in (e.get("draft_lengths") or {}).items()))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict) -> str:
     title = report.get("label") or "Acceptance report"
     text = f"# {title}\n\n{_describe(report)}\n\n{markdown_table(report)}"
+    if report.get("batches"):
+        text += f"\nspeedup by batch size ({'adaptive draft length' if report['batches'].get('adaptive') else 'fixed shape'}):\n\n"
+        text += batch_table(report["batches"])
     if report.get("train_acc"):
         text += "\ntraining accuracy by position (last logged, teacher-forced): " + " ".join(_fmt(a) for a in report["train_acc"]) + "\n"
+    check = report.get("verifier_check")
+    if check:
+        d = check["divergence_from_original"]
+        text += (
+            f"\nDecoding is lossless with respect to {check['lossless_with_respect_to']}. Its greedy output against the "
+            f"original target's ({d['num_prompts']} prompts x {d['max_new_tokens']} tokens): {d['prompts_differ']} prompts differ, "
+            f"{100 * d['share_tokens_differ']:.0f} % of tokens come after a first divergence; teacher-forced top-1 agreement "
+            f"{100 * d['top1_agreement']:.1f} %.\n"
+        )
     gap = train_serve_gap(report)
     return text + (f"\n**{gap}**\n" if gap else "")
 
@@ -102,10 +130,26 @@ def figure(draw, path, size=(6, 4)) -> Path:
     return path
 
 
+def _alpha1_bars(ax, report: dict) -> None:
+    """One draft position: alpha_1 per data category as bars (a curve of one point says nothing)."""
+    groups = [("all", report)] + sorted((report.get("categories") or {}).items())
+    names = [n for n, _ in groups]
+    values = [((r.get("alpha") or [None])[0] or 0.0) for _, r in groups]
+    bars = ax.bar(names, values, color=["tab:blue"] + ["tab:gray"] * (len(names) - 1))
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_ylabel(r"$\alpha_1$")
+    ax.set_ylim(0, 1.05)
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.set_title(_describe(report), fontsize=7)
+
+
 def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Path:
-    """PNG of alpha_j by position j, one curve per report (e.g. per checkpoint)."""
+    """PNG of alpha_j by position j, one curve per report (e.g. per checkpoint); with a single
+    draft position, alpha_1 of the last report per data category as bars."""
 
     def draw(ax):
+        if reports and max(len(r.get("alpha") or []) for r in reports) == 1 and reports[-1].get("categories"):
+            return _alpha1_bars(ax, reports[-1])
         for i, r in enumerate(reports):
             label = (labels[i] if labels else None) or r.get("label") or f"report {i}"
             pts = [(j + 1, a) for j, a in enumerate(r.get("alpha", [])) if a is not None]
@@ -128,12 +172,40 @@ def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Pa
     return figure(draw, path)
 
 
+def plot_speedup_by_batch(series: dict[str, list[dict]], path, title: str = "") -> Path:
+    """PNG of speedup over plain decoding against batch size, one curve per labelled list of
+    ``batches`` entries, with the break-even line."""
+
+    def draw(ax):
+        for label, entries in series.items():
+            pts = [(e["batch_size"], e["speedup"]) for e in entries if e.get("speedup") is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=label)
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({e["batch_size"] for entries in series.values() for e in entries})
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup vs plain decoding (same batch)")
+        ax.grid(alpha=0.3)
+        if title:
+            ax.set_title(title, fontsize=7)
+
+    return figure(draw, path)
+
+
 def write_report(report: dict, path, history: list[dict] | None = None) -> dict[str, Path]:
     """Write ``path`` (JSON) plus ``.md`` and ``.png`` siblings. The plot has one curve per
-    report of ``history`` (earlier checkpoints, oldest first) and one for ``report``."""
+    report of ``history`` (earlier checkpoints, oldest first) and one for ``report``. A report
+    with a ``batches`` section also gets ``.batch.png``, its speedup by batch size."""
     path = Path(path)
-    return {
-        "json": write_json(path, report),
-        "markdown": write_text(path.with_suffix(".md"), markdown(report)),
-        "plot": plot_alpha(list(history or []) + [report], path.with_suffix(".png")),
-    }
+    paths = {"json": write_json(path, report), "plot": plot_alpha(list(history or []) + [report], path.with_suffix(".png"))}
+    images = f"![acceptance]({paths['plot'].name})"
+    if report.get("batches"):
+        label = f"{report.get('drafter')} {'adaptive' if report['batches'].get('adaptive') else report.get('method')}"
+        paths["batch_plot"] = plot_speedup_by_batch({label: report["batches"]["entries"]}, path.with_suffix(".batch.png"),
+                                                    _describe(report))
+        images += f" ![speedup by batch size]({paths['batch_plot'].name})"
+    paths["markdown"] = write_text(path.with_suffix(".md"), markdown(report) + f"\n{images}\n")
+    return paths

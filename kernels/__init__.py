@@ -54,14 +54,16 @@ tokens (the drafter proposes distinct candidates per position); this is checked.
 
 The decoder's accept rule
 -------------------------
-:func:`accept_chain` and :func:`accept_tree` verify one sequence's step from the target's
-logits: they choose greedy or sampling, draw the verifier's coins and Exp(1) noise from
-``sampling.generator`` and call the verifiers above. A step with no drafts emits the plain
-decoding token, drawn like plain decoding draws it, so seeded streams match ``generate_plain``'s.
+:func:`accept_chains` and :func:`accept_trees` verify a batch's step from the target's logits
+(the batched decoder), :func:`accept_chain` and :func:`accept_tree` one sequence's: they choose
+greedy or sampling, draw the verifier's coins and Exp(1) noise from ``sampling.generator`` and
+call the verifiers above. A one-sequence step with no drafts emits the plain decoding token,
+drawn like plain decoding draws it, so seeded streams match ``generate_plain``'s.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 
@@ -72,7 +74,9 @@ from draftlab.kernels import reference
 
 __all__ = [
     "accept_chain",
+    "accept_chains",
     "accept_tree",
+    "accept_trees",
     "chain_verify_greedy",
     "chain_verify_sampling",
     "tree_verify_greedy",
@@ -285,26 +289,64 @@ def tree_verify_sampling(tree_tokens, parents, target_probs, uniforms, exp_noise
 
 
 # ---------------------------------------------------------------------- the decoder's accept rule
+def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: str = "auto"):
+    """Verify a batch of chains in one ragged call: ``drafts`` a list of Long[K_b] (K_b may be
+    0), ``target_logits`` [B, T, V] with T > max K_b (row b's first K_b + 1 rows = the target
+    after each input of ``[last token, drafts...]``; the rest is padding), ``draft_probs`` None or
+    a list of Float[K_b, V] | None (None rows are point masses; read only when sampling).
+    Returns (per row: emitted tokens = accepted drafts then the correction or bonus token;
+    per row: number of drafts accepted)."""
+    B, T, V = target_logits.shape
+    dev = target_logits.device
+    ks = [int(d.numel()) for d in drafts]
+    flat = torch.cat([d.reshape(-1).long() for d in drafts]) if B else torch.zeros(0, dtype=torch.long, device=dev)
+    cu = torch.tensor([0] + list(itertools.accumulate(ks)), dtype=torch.long, device=dev)
+    rows = torch.cat([torch.arange(k + 1, device=dev) + b * T for b, k in enumerate(ks)])
+    logits = target_logits.reshape(B * T, V)[rows]  # [N + B, V]
+    if sampling.greedy:
+        out, num = chain_verify_greedy(flat, cu, logits.max(-1).indices, backend=backend)
+    else:
+        gen = sampling.generator
+        uniforms = torch.rand(flat.numel(), dtype=torch.float64, device=dev, generator=gen)
+        noise = torch.empty(logits.shape, device=dev).exponential_(generator=gen)
+        q = None
+        if draft_probs is not None and any(p is not None for p in draft_probs):
+            # a point mass is the one-hot distribution: rows without probabilities get it
+            q = torch.cat([p.float() if p is not None else torch.nn.functional.one_hot(d.reshape(-1).long(), V).float()
+                           for d, p in zip(drafts, draft_probs)])
+        out, num = chain_verify_sampling(flat, cu, sampling.probs(logits), q, uniforms, noise, backend=backend)
+    num, out = num.tolist(), out.tolist()
+    return [row[: n + 1] for row, n in zip(out, num)], num
+
+
 def accept_chain(drafts, target_logits, sampling, draft_probs=None, backend: str = "auto"):
     """Verify one chain: ``drafts`` Long[K] (K may be 0), ``target_logits`` [K+1, V] (row j = the
     target after input j of ``[last token, drafts...]``), ``sampling`` the generation's
     :class:`~draftlab.inference.proposer.Sampling`, ``draft_probs`` Float[K, V] or None (point
     masses; read only when sampling). Returns (emitted tokens: accepted drafts then the
     correction or bonus token, number of drafts accepted)."""
-    k = drafts.numel()
-    if k == 0:  # nothing to verify: a plain decoding step
+    if drafts.numel() == 0:  # nothing to verify: a plain decoding step
         return [sampling.next_token(target_logits[0])], 0
-    cu = torch.tensor([0, k], dtype=torch.long, device=drafts.device)
+    tokens, num = accept_chains([drafts], target_logits[None], sampling, [draft_probs], backend)
+    return tokens[0], num[0]
+
+
+def accept_trees(tokens, parents, target_logits, sampling, backend: str = "auto"):
+    """Verify a batch of trees: ``tokens``, ``parents`` Long[B, N] (node 0 the root, parent -1;
+    padding nodes have parent -1), ``target_logits`` [B, N, V] (row n = the target after node n).
+    Returns (path: Long[B, D+1] accepted node indices from the root 0, padded with -1; per row:
+    emitted tokens = accepted drafts then the correction or bonus token; per row: drafts accepted)."""
+    B, N, V = target_logits.shape
     if sampling.greedy:
-        out, num = chain_verify_greedy(drafts, cu, target_logits.max(-1).indices, backend=backend)
+        path, out, num = tree_verify_greedy(tokens, parents, target_logits.max(-1).indices, backend=backend)
     else:
         gen = sampling.generator
-        uniforms = torch.rand(k, dtype=torch.float64, device=drafts.device, generator=gen)
-        noise = torch.empty(k + 1, target_logits.shape[-1], device=drafts.device).exponential_(generator=gen)
-        out, num = chain_verify_sampling(drafts, cu, sampling.probs(target_logits), draft_probs, uniforms, noise,
-                                         backend=backend)
-    n = int(num[0])
-    return out[0, : n + 1].tolist(), n
+        uniforms = torch.rand(B, N, dtype=torch.float64, device=tokens.device, generator=gen)
+        noise = torch.empty(B, N, V, device=tokens.device).exponential_(generator=gen)
+        path, out, num = tree_verify_sampling(tokens, parents, sampling.probs(target_logits), uniforms, noise,
+                                              backend=backend)
+    num, out = num.tolist(), out.tolist()
+    return path, [row[: n + 1] for row, n in zip(out, num)], num
 
 
 def accept_tree(tokens, parents, target_logits, sampling, backend: str = "auto"):
@@ -312,17 +354,7 @@ def accept_tree(tokens, parents, target_logits, sampling, backend: str = "auto")
     ``target_logits`` [N+1, V] (row n = the target after node n). Returns (path: Long[n+1], the
     accepted node indices from the root 0; emitted tokens: accepted drafts then the correction
     or bonus token; n, the number of drafts accepted)."""
-    size = tokens.numel()
-    if size == 1:  # the root alone: a plain decoding step
+    if tokens.numel() == 1:  # the root alone: a plain decoding step
         return torch.zeros(1, dtype=torch.long, device=tokens.device), [sampling.next_token(target_logits[0])], 0
-    logits = target_logits[None]
-    if sampling.greedy:
-        path, out, num = tree_verify_greedy(tokens[None], parents[None], logits.max(-1).indices, backend=backend)
-    else:
-        gen = sampling.generator
-        uniforms = torch.rand(1, size, dtype=torch.float64, device=tokens.device, generator=gen)
-        noise = torch.empty(1, size, logits.shape[-1], device=tokens.device).exponential_(generator=gen)
-        path, out, num = tree_verify_sampling(tokens[None], parents[None], sampling.probs(logits), uniforms, noise,
-                                              backend=backend)
-    n = int(num[0])
-    return path[0, : n + 1], out[0, : n + 1].tolist(), n
+    path, out, num = accept_trees(tokens[None], parents[None], target_logits[None], sampling, backend)
+    return path[0, : num[0] + 1], out[0], num[0]

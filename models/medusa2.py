@@ -280,10 +280,13 @@ def greedy_divergence(base_target, merged, prompts, max_new_tokens: int = 64, eo
     where they differ is found; every token from there on counts as differing (a divergence
     changes everything after it). ``share_prompts_differ``: prompts whose continuation is not
     identical; ``share_tokens_differ``: tokens from the first divergence on, over all tokens
-    (per prompt, the longer of the two continuations)."""
+    (per prompt, the longer of the two continuations). ``top1_agreement``: teacher-forced on
+    the original's continuation, the share of its tokens that are also ``merged``'s argmax at
+    that position (how often the models disagree, without one flip counting everything after it)."""
     from draftlab.inference.decoder import generate_plain
 
     per = []
+    agree = forced = 0
     for p in prompts:
         ids = getattr(p, "prompt_ids", p)
         a = generate_plain(base_target, ids, max_new_tokens, eos_token_id=eos_token_id).tokens
@@ -291,6 +294,10 @@ def greedy_divergence(base_target, merged, prompts, max_new_tokens: int = 64, eo
         prefix = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         n = max(len(a), len(b))
         per.append({"first_divergence": None if a == b else prefix, "tokens": n, "tokens_differ": n - prefix})
+        with torch.no_grad():
+            logits = merged(torch.tensor([list(ids) + a[:-1]], device=merged.device), logits="all").logits[0, len(ids) - 1 :]
+        agree += int((logits.argmax(-1).cpu() == torch.tensor(a)).sum())
+        forced += len(a)
     if not per:
         raise DraftlabError("greedy_divergence needs at least one prompt")
     differ = sum(r["first_divergence"] is not None for r in per)
@@ -303,6 +310,7 @@ def greedy_divergence(base_target, merged, prompts, max_new_tokens: int = 64, eo
         "tokens": tokens,
         "tokens_differ": after,
         "share_tokens_differ": after / max(tokens, 1),
+        "top1_agreement": agree / max(forced, 1),
         "per_prompt": per,
     }
 

@@ -152,6 +152,83 @@ class KVCache:
 
 
 @dataclass
+class RaggedKVCache:
+    """Preallocated per-layer K/V of shape [L, B, H_kv, max_len, D] with one length per row
+    (batched decoding: rows hold prompts of different lengths and accept different numbers of
+    drafts). A forward of T inputs per row writes row b's at slots ``lengths[b]..+T`` and
+    attends over ``0..max(lengths) + T`` with a mask that hides the other rows' extra slots;
+    the decoder then sets each row's kept length (:meth:`crop`) or compacts an accepted tree
+    path (:meth:`keep`), and drops finished rows (:meth:`select`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lengths: list[int]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def crop(self, lengths: list[int]) -> None:
+        assert len(lengths) == len(self.lengths) and all(0 <= n <= m for n, m in zip(lengths, self.lengths))
+        self.lengths = list(lengths)
+
+    def keep(self, starts: list[int], index: list[torch.Tensor]) -> None:
+        """Row b: move slots ``index[b]`` (absolute, ascending) to ``starts[b]..``."""
+        for b, (start, idx) in enumerate(zip(starts, index)):
+            n = idx.numel()
+            self.k[:, b, :, start : start + n] = self.k[:, b, :, idx]
+            self.v[:, b, :, start : start + n] = self.v[:, b, :, idx]
+            self.lengths[b] = start + n
+
+    def row(self, b: int) -> KVCache:
+        """Row ``b`` as an empty one-row :class:`KVCache` sharing this cache's memory (a prompt is
+        prefilled alone, without padding to the batch's longest); set ``lengths`` after."""
+        return KVCache(self.k[:, b : b + 1], self.v[:, b : b + 1])
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (finished sequences leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def begin(self, T: int, offsets: torch.Tensor | None, new_mask: torch.Tensor | None):
+        """Position ids [B, T] (``lengths[b]`` + offsets, default 0..T-1) and the attention mask
+        [B, T, max(lengths) + T] of a forward of T inputs per row; ``new_mask`` [B or 1, T, T]
+        says which new inputs see which (default causal). Remembers the write slots."""
+        dev = self.k.device
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None]  # [B, 1]
+        steps = torch.arange(T, device=dev)
+        self._slots = lengths + steps  # [B, T]
+        self._span = max(self.lengths) + T
+        if self._span > self.max_len:
+            raise ValueError(f"KV cache: {self._span} slots needed, {self.max_len} allocated")
+        positions = lengths + (steps[None] if offsets is None else offsets)
+        if new_mask is None:
+            new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
+        span = torch.arange(self._span, device=dev)[None]  # [1, S]
+        rel = span - lengths  # [B, S]: slot index among the row's new inputs
+        inside = (rel >= 0) & (rel < T)
+        new = new_mask.expand(len(self.lengths), T, T).gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1))
+        mask = (span < lengths)[:, None] | (inside[:, None] & new)
+        return positions, mask
+
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        """Write layer ``i``'s new K/V [B, H_kv, T, D] at the slots :meth:`begin` chose; return
+        the layer's K/V over the attended span."""
+        index = self._slots[:, None, :, None].expand_as(k)
+        self.k[i].scatter_(2, index, k)
+        self.v[i].scatter_(2, index, v)
+        return self.k[i, :, :, : self._span], self.v[i, :, :, : self._span]
+
+    def advance(self, T: int) -> None:
+        self.lengths = [n + T for n in self.lengths]
+
+
+@dataclass
 class TargetOutput:
     logits: torch.Tensor | None
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [B, T, H]
@@ -261,14 +338,18 @@ class Target:
         return self.config
 
     # ------------------------------------------------------------------ forward
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, ragged: bool = False) -> KVCache | RaggedKVCache:
+        """An empty KV cache of ``max_len`` slots per row: one length for the batch, or one per
+        row (``ragged``, batched decoding)."""
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         shape = (self.num_layers, batch_size, c.num_key_value_heads, max_len, head_dim)
-        return KVCache(
-            torch.empty(shape, dtype=self.dtype, device=self.device),
-            torch.empty(shape, dtype=self.dtype, device=self.device),
-        )
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if ragged:
+            # zeros: a row's unwritten slots are masked, but NaN garbage would still poison SDPA
+            return RaggedKVCache(k.zero_(), v.zero_(), [0] * batch_size)
+        return KVCache(k, v)
 
     @torch.no_grad()
     def forward(
@@ -286,16 +367,22 @@ class Target:
         * ``cache``: KV cache; the new keys go to slots ``cache.length..+T`` and it grows by T.
         * ``attn_mask``: bool [B or 1, T, cache.length + T], True = may attend (tree verify,
           left-padded capture). Default is causal over the cache plus the new tokens.
+        * With a :class:`RaggedKVCache`, row b's inputs go to slots ``lengths[b]..+T`` and every
+          length grows by T; ``position_ids`` are then offsets from each row's length (default
+          0..T-1) and ``attn_mask`` [B or 1, T, T] is among the new inputs (default causal).
         * ``logits``: "all", "last" or None.
         """
         B, T = input_ids.shape
-        past = cache.length if cache is not None else 0
-        if position_ids is None:
+        ragged = isinstance(cache, RaggedKVCache)
+        past = cache.length if cache is not None and not ragged else 0
+        mask = attn_mask
+        if ragged:
+            position_ids, mask = cache.begin(T, position_ids, attn_mask)
+        elif position_ids is None:
             position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
         x = self._backbone.embed_tokens(input_ids)
         cos, sin = self._backbone.rotary_emb(x, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-        mask = attn_mask
         if mask is None and past > 0 and T > 1:
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)[None]
         if mask is not None:
@@ -311,7 +398,9 @@ class Target:
         x = self._backbone.norm(x)
         if self.num_layers in wanted:
             hidden[self.num_layers] = x
-        if cache is not None:
+        if ragged:
+            cache.advance(T)
+        elif cache is not None:
             cache.length = past + T
         out = None
         if logits == "all":
@@ -358,7 +447,9 @@ class Target:
         if self._qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if cache is not None:
+        if isinstance(cache, RaggedKVCache):
+            k, v = cache.update(i, k, v)
+        elif cache is not None:
             cache.k[i, :, :, past : past + T] = k
             cache.v[i, :, :, past : past + T] = v
             k, v = cache.k[i, :, :, : past + T], cache.v[i, :, :, : past + T]

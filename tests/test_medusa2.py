@@ -13,6 +13,8 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+
+from draftlab.inference.ngram import NgramProposer
 import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
@@ -241,6 +243,23 @@ def test_greedy_divergence_is_zero_for_zero_lora_and_positive_when_perturbed(tin
     assert moved["tokens_differ"] == sum(r["tokens_differ"] for r in moved["per_prompt"])
     same = greedy_divergence(t, t, prompts[:1], max_new_tokens=8)
     assert same["share_prompts_differ"] == 0 and same["per_prompt"][0]["first_divergence"] is None
+    assert same["top1_agreement"] == 1.0 == zero["top1_agreement"] and moved["top1_agreement"] < 1.0
+
+
+def test_reports_say_what_decoding_is_lossless_against(tiny_llama, fitted_ckpt):
+    """A Medusa-2 evaluation states the merged target as the verifier and how far it moved."""
+    from draftlab.inference.evaluate import evaluate
+    from draftlab.inference.prompts import EvalPrompt
+    from draftlab.inference.proposer import Chain, load_proposer
+    from draftlab.inference.report import markdown
+
+    t = tiny_llama
+    prompts = [EvalPrompt("c", _prompt(t, s).tolist()) for s in ("the quick brown fox", "def add(a, b):")]
+    report = evaluate(t, load_proposer(fitted_ckpt.parent / "perturbed", t), prompts, Chain(2), max_new_tokens=12, warmup=False)
+    moved = report["verifier_check"]["divergence_from_original"]
+    assert moved == greedy_divergence(t, merged_target(fitted_ckpt.parent / "perturbed", t), [p.prompt_ids for p in prompts], 12)
+    assert "Decoding is lossless with respect to the merged target" in markdown(report)
+    assert "verifier_check" not in evaluate(t, NgramProposer(), prompts[:1], Chain(2), max_new_tokens=4, warmup=False)
 
 
 def test_export_writes_the_merged_model_and_vllm_heads(tiny_llama, fitted_ckpt, tmp_path):

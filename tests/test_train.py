@@ -74,6 +74,9 @@ def test_every_shipped_recipe_validates():
         ({"drafter": {"draft_vocab": 3}}, "drafter.draft_vocab"),
         ({"loss": {"ttt_steps": 0}}, "loss.ttt_steps"),
         ({"algorithm": "eagle9"}, "algorithm: unknown drafter family"),
+        ({"eval": {"batch_sizes": [4, 4]}}, "eval.batch_sizes"),
+        ({"eval": {"baseline": False, "batch_sizes": [1, 4]}}, "eval.batch_sizes"),
+        ({"eval": {"adaptive": True}}, "eval.adaptive"),
     ],
 )
 def test_bad_recipe_is_one_line_error(tmp_path, tiny_target_dirs, chat_file, mutate, message):
@@ -151,7 +154,7 @@ def test_train_then_evaluate_end_to_end(tmp_path, tiny_target_dirs, chat_file):
     path = write_recipe(
         tmp_path, tiny_target_dirs["llama"], chat_file,
         train={"max_steps": 4, "checkpoint_every": 2},
-        eval={"enabled": True, "num_prompts": 2, "max_new_tokens": 12, "k": 3},
+        eval={"enabled": True, "num_prompts": 2, "max_new_tokens": 12, "k": 3, "batch_sizes": [1, 2]},
     )
     res = run_train([path])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -159,6 +162,8 @@ def test_train_then_evaluate_end_to_end(tmp_path, tiny_target_dirs, chat_file):
     report = json.loads((run / "eval" / "latest.json").read_text())
     assert report["step"] == 4 and len(report["alpha"]) == 3
     assert report["greedy_match"] == "2/2"  # speculative greedy output == plain greedy output
+    assert [(e["batch_size"], e["greedy_match"]) for e in report["batches"]["entries"]] == [(1, "2/2"), (2, "2/2")]
+    assert (run / "eval" / "latest.batch.png").is_file()
     assert (run / "eval" / "latest.png").is_file() and (run / "eval" / "latest.md").is_file()
     meta = json.loads((run / "checkpoints" / "step-0000004" / "draftlab.json").read_text())
     assert meta["metrics"]["eval"]["tau"] == report["tau"]

@@ -39,9 +39,10 @@ class CheckpointEvaluator:
 
         e = self.recipe.eval
         step = int(Path(checkpoint_dir).name.split("-")[-1])
+        proposer = load_proposer(checkpoint_dir, self.target)
         report = evaluate(
             self.target,
-            load_proposer(checkpoint_dir, self.target),
+            proposer,
             self.prompts,
             shape=e.shape(),
             max_new_tokens=e.max_new_tokens,
@@ -52,6 +53,14 @@ class CheckpointEvaluator:
             data=e.data,
             label=f"step {step}",
         )
+        if e.batch_sizes:
+            from draftlab.inference.batch_eval import evaluate_batches
+
+            report["batches"] = evaluate_batches(
+                self.target, proposer, self.prompts, e.shape(), e.batch_sizes,
+                max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=self.recipe.seed,
+                eos_token_id=self.target.tokenizer.eos_token_id, adaptive=e.adaptive,
+            )
         report["step"] = step
         report["checkpoint"] = str(checkpoint_dir)
         # training's per-position accuracy beside the served acceptance: a gap between them is

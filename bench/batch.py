@@ -1,0 +1,152 @@
+"""Speculation under load: speedup by batch size for n-gram lookup, a trained drafter at fixed
+draft lengths, and the adaptive draft length.
+
+    python bench/batch.py [RUN_OR_CHECKPOINT] [--batch-sizes 1,2,4,8,16] [--ks 1,2,3]
+                          [--num-prompts 16] [--max-new-tokens 48] [--threads N] [--no-append] [--quick]
+
+RUN_OR_CHECKPOINT defaults to runs/smollm2-135m-eagle3 (the README's main job). Its target and
+held-out ShareGPT split come from the checkpoint's recipe. Every configuration goes through
+``inference.batch_eval.evaluate_batches``, which for each batch size decodes the prompts in
+groups of B, plain and speculative back to back on each group (greedy): speedup is speculative
+over plain tokens/s within that configuration's run. Configurations: n-gram prompt lookup
+(chain of max k), the drafter's chain at each fixed k, and the adaptive policy (k chosen per
+step in 0..max k from the acceptance seen so far and the verify cost it measures at start-up).
+
+Output: a table per batch size and configuration (tokens/s, speedup, tau, where the time went,
+greedy checks), a speedup grid with the adaptive policy's margin over plain decoding and over
+the best fixed k at each batch size, and a PNG of speedup against batch size. Unless
+``--no-append`` or ``--quick``, a section appended to BENCHMARKS.md (PNG under bench/figures/).
+``--quick``: 4 prompts x 8 tokens, batch sizes 1,2, nothing appended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak import append_run, cpu_name, main_with_errors  # noqa: E402
+from runs import checkpoint_of, recipe_of, target_of  # noqa: E402
+from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_RUN = REPO / "runs" / "smollm2-135m-eagle3"
+
+
+def parse_args(argv):
+    from draftlab.inference.batch_eval import parse_batch_sizes
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", nargs="?", default=str(DEFAULT_RUN), help="training run directory or checkpoint")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16")
+    p.add_argument("--ks", default="1,2,3", help="fixed draft lengths; the adaptive policy chooses up to the largest")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 prompts x 8 tokens, batch sizes 1,2, nothing appended")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.max_new_tokens, args.batch_sizes = 4, 8, "1,2"
+    args.batch_sizes = parse_batch_sizes(args.batch_sizes)
+    args.ks = parse_batch_sizes(args.ks, "--ks")
+    if min(args.num_prompts, args.max_new_tokens) < 1 or (args.threads is not None and args.threads < 1):
+        p.error("--num-prompts, --max-new-tokens and --threads must be >= 1")
+    return args
+
+
+def configurations(ckpt: Path, target, ks: list[int]):
+    """(label, proposer, shape, adaptive) in the order measured."""
+    from draftlab.inference.ngram import NgramProposer
+    from draftlab.inference.proposer import Block, Chain, load_proposer
+
+    proposer = load_proposer(ckpt, target)
+    row = Block if "block" in proposer.shapes else Chain
+    kmax = max(ks)
+    out = [(f"ngram k={kmax}", NgramProposer(3, 1), Chain(kmax), False)]
+    out += [(f"{proposer.name} k={k}", proposer, row(k), False) for k in sorted(ks)]
+    out.append((f"{proposer.name} adaptive k<={kmax}", proposer, row(kmax), True))
+    return out
+
+
+def run(argv, args) -> int:
+    import torch
+
+    from draftlab.checkpoint import read_meta
+    from draftlab.inference.batch_eval import evaluate_batches
+    from draftlab.inference.prompts import load_prompts
+    from draftlab.inference.report import plot_speedup_by_batch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpt = checkpoint_of(Path(args.run))
+    recipe = recipe_of(ckpt, read_meta(ckpt))
+    target = target_of(recipe)
+    prompts = load_prompts("sharegpt-heldout", target.tokenizer, args.num_prompts, data_spec=recipe.data)
+    started = datetime.now(timezone.utc)
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    results = {}
+    for label, proposer, shape, adaptive in configurations(ckpt, target, args.ks):
+        print(f"{label} ...", flush=True)
+        results[label] = evaluate_batches(
+            target, proposer, prompts, shape, args.batch_sizes, max_new_tokens=args.max_new_tokens,
+            seed=recipe.seed, eos_token_id=target.tokenizer.eos_token_id, adaptive=adaptive,
+        )
+    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0,
+              "wall": time.perf_counter() - wall0, "loadavg_start": load_start}
+
+    text = tables(results, args.batch_sizes)
+    print(text)
+    if args.no_append or args.quick:
+        return 0
+    plot = REPO / "bench" / "figures" / f"batch-{started:%Y%m%d-%H%M}.png"
+    plot_speedup_by_batch({label: r["entries"] for label, r in results.items()}, plot,
+                          f"{ckpt.parent.parent.name}: {len(prompts)} held-out prompts x {args.max_new_tokens} tokens, greedy")
+    note = (f"Checkpoint `{ckpt.relative_to(REPO) if ckpt.is_relative_to(REPO) else ckpt}`, {len(prompts)} held-out "
+            f"ShareGPT prompts x {args.max_new_tokens} new tokens, greedy, {cpu_name()}, {torch.get_num_threads()} threads; "
+            f"{load_note(window)}. PNG: `{plot.relative_to(REPO)}`.")
+    append_run("Speedup by batch size", started, "bench/batch.py", argv, f"{text}\n{note}")
+    return 0
+
+
+def tables(results: dict, batch_sizes: list[int]) -> str:
+    head = "| configuration | batch | tok/s | plain tok/s | speedup | τ | draft % | verify % | other % | greedy match | batched = alone | draft lengths (k: steps) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label, r in results.items():
+        for e in r["entries"]:
+            t = e["decode_time_s"] or 1.0
+            lengths = " ".join(f"{k}:{n}" for k, n in (e.get("draft_lengths") or {}).items()) or "–"
+            lines.append(
+                f"| {label} | {e['batch_size']} | {e['tokens_per_s']:.1f} | {e['baseline_tokens_per_s']:.1f} | {e['speedup']:.2f}× "
+                f"| {e['tau']:.2f} | {100 * e['draft_s'] / t:.0f} | {100 * e['verify_s'] / t:.0f} | {100 * e['other_s'] / t:.0f} "
+                f"| {e['greedy_match']} | {e.get('batched_vs_alone') or '–'} | {lengths} |"
+            )
+    grid = ["| configuration | " + " | ".join(f"B={b}" for b in batch_sizes) + " |", "|" + "---|" * (len(batch_sizes) + 1)]
+    speed = {label: {e["batch_size"]: e["speedup"] for e in r["entries"]} for label, r in results.items()}
+    for label, s in speed.items():
+        grid.append(f"| {label} | " + " | ".join(f"{s[b]:.2f}×" for b in batch_sizes) + " |")
+    fixed = [label for label in speed if " k=" in label and not label.startswith("ngram")]
+    adaptive = next((label for label in speed if "adaptive" in label), None)
+    summary = ""
+    if adaptive and fixed:
+        margins = []
+        for b in batch_sizes:
+            best = max(fixed, key=lambda label: speed[label][b])
+            margins.append(f"B={b}: {speed[adaptive][b]:.2f}× vs best fixed {best.split()[-1]} {speed[best][b]:.2f}×")
+        slower = [b for b in batch_sizes if speed[adaptive][b] < 1.0]
+        summary = ("\nAdaptive against plain decoding: " + ("at or above 1.00× at every batch size" if not slower
+                   else f"below 1.00× at B = {', '.join(map(str, slower))}") + ". Against the best fixed k: " + "; ".join(margins) + ".\n")
+    return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + summary
+
+
+def main(argv=None) -> int:
+    return main_with_errors("bench/batch.py", parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

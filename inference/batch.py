@@ -1,0 +1,306 @@
+"""Batched speculative decoding: B sequences at once, each with its own prompt length, its own
+accepted length per step and its own end.
+
+The target's cache holds one length per row (:class:`~draftlab.models.target.RaggedKVCache`):
+one forward verifies every row's drafts (chains padded to the longest, trees padded to the
+largest), the ragged verify kernels (``kernels.accept_chains`` / ``accept_trees``) accept each
+row's prefix, and each row keeps its own slots. A row that stops (eos or its token budget)
+leaves the batch: its cache rows and proposer are dropped, so later steps cost what the rows
+still decoding cost. Plain batched decoding (:func:`generate_plain_batch`) runs on the same
+cache and forward, so a batched speedup compares like with like.
+
+Drafting goes through :meth:`Proposer.batched`: by default one fork of the proposer per row,
+drafting row after row; a family may draft all rows at once (EAGLE's chains:
+:class:`~draftlab.inference.eagle.EagleChains`).
+The step's time is split into draft (proposer), verify (the target's forward and the verify
+kernels) and the rest (building inputs, rolling back, bookkeeping).
+
+Greedy outputs of a row equal plain *batched* decoding of the same batch. They can differ from
+the same prompt decoded alone: a batch changes the shapes of the matrix products, and float
+rounding then decides near-ties differently. :mod:`draftlab.inference.batch_eval` counts such
+rows instead of hiding them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftlab.errors import DraftlabError
+from draftlab.inference.decoder import (
+    GenerationResult,
+    checked_chain,
+    checked_tree,
+    _as_prompt,
+    _check_sampling,
+    _Clock,
+    _Emitter,
+    _eos_set,
+    _sampling,
+)
+from draftlab.inference.proposer import Block, Chain, ChainDraft, DraftTree, Proposer, Sampling, Shape, check_shape
+from draftlab.inference.tree import ancestor_mask
+from draftlab.kernels import accept_chains, accept_trees
+
+
+@dataclass
+class BatchResult:
+    """One batch's generation: per-row results and the batch's time split."""
+
+    rows: list[GenerationResult]
+    prefill_time: float = 0.0
+    draft_time: float = 0.0  # proposers: start, propose, advance
+    verify_time: float = 0.0  # target forwards after the prefill and the verify kernels
+    other_time: float = 0.0  # the rest of the decoding loop
+    total_time: float = 0.0
+    num_steps: int = 0  # batched target forwards after the prefill
+    draft_lengths: list[int] = field(default_factory=list)  # per step: the draft length asked (adaptive policy)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+
+class _Stopwatch:
+    def __init__(self, device):
+        self.clock = _Clock(device)
+        self.seconds = 0.0
+
+    def __call__(self, fn, *args, **kw):
+        t0 = self.clock()
+        out = fn(*args, **kw)
+        self.seconds += self.clock() - t0
+        return out
+
+
+def _prompts(prompt_ids, device) -> list[torch.Tensor]:
+    prompts = [_as_prompt(p, device) for p in prompt_ids]
+    if not prompts:
+        raise DraftlabError("prompt_ids: the batch is empty")
+    return prompts
+
+
+def _prefill(target, prompts, layers, cache, sampling: Sampling, verify: _Stopwatch):
+    """Each prompt in its own forward, into its row of ``cache`` (padding a batch of a 33- and
+    a 2544-token prompt to one forward would compute the short one's padding); returns each
+    row's first token and its prompt's hidden states ({layer: [1, T_b, H]})."""
+    last, hidden = [], []
+    for b, p in enumerate(prompts):
+        out = verify(target, p[None], layers=list(layers), cache=cache.row(b), logits="last")
+        last.append(out.logits[0, -1])
+        hidden.append(out.hidden)
+    cache.lengths = [p.numel() for p in prompts]  # what the row views filled
+    return _next_tokens(torch.stack(last), sampling), hidden
+
+
+def _next_tokens(logits: torch.Tensor, sampling: Sampling) -> list[int]:
+    """The target's next token of each row of ``logits`` [B, V], drawn as plain decoding draws."""
+    if sampling.greedy:
+        return logits.max(-1).indices.tolist()
+    return sampling.sample(sampling.probs(logits)).tolist()
+
+
+class _Batch:
+    """The rows still decoding: their index in the batch, emitter and last token."""
+
+    def __init__(self, n: int, max_new_tokens: int, eos):
+        self.rows = list(range(n))
+        self.emitters = [_Emitter(max_new_tokens, eos) for _ in range(n)]
+        self.last: list[int] = [0] * n
+
+    def emit(self, tokens: list[list[int]]) -> list[int]:
+        """Emit each active row's tokens; returns the positions (in the active list) of rows
+        that go on, and removes the others."""
+        going = []
+        for pos, (r, new) in enumerate(zip(self.rows, tokens)):
+            if not self.emitters[r].emit(new):
+                going.append(pos)
+                self.last[r] = new[-1]
+        self.rows = [self.rows[p] for p in going]
+        return going
+
+
+def _results(batch: _Batch, per_row: dict) -> list[GenerationResult]:
+    return [
+        GenerationResult(e.tokens, stop_reason=e.stop_reason, **{k: v[r] for k, v in per_row.items()})
+        for r, e in enumerate(batch.emitters)
+    ]
+
+
+@torch.no_grad()
+def generate_plain_batch(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                         top_p: float = 1.0, seed: int = 0, eos_token_id=None) -> BatchResult:
+    """Plain autoregressive decoding of a batch: one target forward per step over every row
+    still decoding."""
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    device = target.device
+    clock, verify = _Clock(device), _Stopwatch(device)
+    t0 = clock()
+    prompts = _prompts(prompt_ids, device)
+    sampling = _sampling(device, temperature, top_k, top_p, seed)
+    cache = target.new_cache(len(prompts), max(p.numel() for p in prompts) + max_new_tokens, ragged=True)
+    first, _ = _prefill(target, prompts, (), cache, sampling, verify)
+    t1 = clock()
+    verify.seconds = 0.0
+    batch = _Batch(len(prompts), max_new_tokens, _eos_set(eos_token_id))
+    going = batch.emit([[t] for t in first])
+    steps = 0
+    while batch.rows:
+        if len(going) < cache.batch_size:
+            cache.select(going)
+        ids = torch.tensor([[batch.last[r]] for r in batch.rows], device=device)
+        out = verify(target, ids, cache=cache, logits="last")
+        tokens = verify(_next_tokens, out.logits[:, -1], sampling)
+        going = batch.emit([[t] for t in tokens])
+        steps += 1
+    t2 = clock()
+    return BatchResult(
+        _results(batch, {"num_steps": [len(e.tokens) - 1 for e in batch.emitters]}),
+        prefill_time=t1 - t0, verify_time=verify.seconds, other_time=t2 - t1 - verify.seconds,
+        total_time=t2 - t0, num_steps=steps,
+    )
+
+
+@dataclass
+class _Verified:
+    """One batched step, per active row."""
+
+    tokens: list[list[int]]  # accepted drafts, then the correction or bonus token
+    accepted: list[int]  # drafts accepted (tree: the accepted path's depth)
+    drafted: list[int]  # draft tokens / tree nodes verified
+    depth: list[int]  # longest acceptable run offered
+    hidden: list[dict[int, torch.Tensor]]  # the target's hidden states of the kept inputs, [1, n + 1, H]
+
+
+class BatchedSpeculativeDecoder:
+    """``BatchedSpeculativeDecoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``.
+
+    ``policy`` (chain and block shapes): an object with ``choose(batch_size) -> k`` (0 = a plain
+    step) and ``observe(batch_size, k, accepted, draft_seconds)``, asked at every step; without
+    one every step drafts ``shape.k``."""
+
+    def __init__(self, target, proposer: Proposer, backend: str = "auto"):
+        self.target, self.proposer, self.backend = target, proposer, backend
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, shape: Shape = Chain(3), temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None, policy=None) -> BatchResult:
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        check_shape(shape, self.proposer.shapes, self.proposer.name)
+        chain = isinstance(shape, (Chain, Block))
+        if policy is not None and not chain:
+            raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {shape.method}")
+        device = self.target.device
+        clock = _Clock(device)
+        draft, verify = _Stopwatch(device), _Stopwatch(device)
+        t0 = clock()
+        prompts = _prompts(prompt_ids, device)
+        sampling = _sampling(device, temperature, top_k, top_p, seed)
+        room = max(p.numel() for p in prompts) + max_new_tokens + shape.max_nodes + 1
+        cache = self.target.new_cache(len(prompts), room, ragged=True)
+        first, hidden = _prefill(self.target, prompts, self.proposer.layers, cache, sampling, verify)
+        t1 = clock()
+        verify.seconds = 0.0
+        batch = _Batch(len(prompts), max_new_tokens, _eos_set(eos_token_id))
+        per_row = {name: [[] for _ in prompts] for name in ("accept_lengths", "num_drafted", "draft_depths")}
+        going = batch.emit([[t] for t in first])
+        if len(going) < cache.batch_size:
+            cache.select(going)
+        proposers = self.proposer.batched(len(going), shape)
+        proposers.configure(sampling)
+        for b, r in enumerate(going):
+            draft(proposers.start, b, prompts[r], hidden[r], first[r])
+        # What each row kept since its proposer was last advanced: advancing waits until the next
+        # draft, so plain steps (k = 0) cost no drafter work and the catch-up is one call per row.
+        pending: list[list[tuple[list[int], dict]]] = [[] for _ in going]
+        steps, asked = 0, []
+        while batch.rows:
+            step_shape = shape
+            if policy is not None:
+                k = policy.choose(len(batch.rows))
+                step_shape = type(shape)(k) if k > 0 else None
+                asked.append(k)
+            before = draft.seconds
+            drafts = None
+            if step_shape is not None:
+                draft(self._flush, proposers, pending)
+                drafts = draft(proposers.propose, step_shape)
+            spent = draft.seconds - before
+            step = self._chain_step if chain else self._tree_step
+            v = step(batch, drafts, step_shape or shape, cache, sampling, verify)
+            for r, n, d, depth in zip(batch.rows, v.accepted, v.drafted, v.depth):
+                per_row["accept_lengths"][r].append(n)
+                per_row["num_drafted"][r].append(d)
+                per_row["draft_depths"][r].append(depth)
+            if policy is not None:
+                policy.observe(len(batch.rows), asked[-1], v.accepted, spent)
+            going = batch.emit(v.tokens)
+            steps += 1
+            if len(going) < cache.batch_size:
+                cache.select(going)
+                proposers.select(going)
+            pending = [pending[p] + [(v.tokens[p], v.hidden[p])] for p in going]
+        t2 = clock()
+        per_row["num_steps"] = [len(a) for a in per_row["accept_lengths"]]
+        return BatchResult(
+            _results(batch, per_row), prefill_time=t1 - t0, draft_time=draft.seconds, verify_time=verify.seconds,
+            other_time=t2 - t1 - draft.seconds - verify.seconds, total_time=t2 - t0, num_steps=steps,
+            draft_lengths=asked,
+        )
+
+    def _flush(self, proposers, pending) -> None:
+        """Advance every row's proposer by what it kept since the last draft (several steps'
+        tokens and hidden states concatenated read as one longer accepted run)."""
+        rows = [b for b, steps in enumerate(pending) if steps]
+        if not rows:
+            return
+        device = self.target.device
+        tokens = [torch.tensor([t for toks, _ in pending[b] for t in toks], dtype=torch.long, device=device) for b in rows]
+        hidden = [{i: torch.cat([h[i] for _, h in pending[b]], dim=1) for i in pending[b][0][1]} for b in rows]
+        proposers.advance(tokens, hidden, rows)
+        for b in rows:
+            pending[b].clear()
+
+    # ------------------------------------------------------------------ chains (and blocks)
+    def _chain_step(self, batch, drafts, shape, cache, sampling, verify) -> _Verified:
+        device = self.target.device
+        rows = len(batch.rows)
+        if drafts is None:  # a plain step for every row
+            drafts = [ChainDraft(torch.zeros(0, dtype=torch.long, device=device)) for _ in range(rows)]
+        ids, probs = map(list, zip(*(checked_chain(d, shape, self.target, self.proposer.name) for d in drafts)))
+        inputs = torch.zeros(rows, 1 + max(t.numel() for t in ids), dtype=torch.long, device=device)
+        for b, t in enumerate(ids):
+            inputs[b, 0] = batch.last[batch.rows[b]]
+            inputs[b, 1 : 1 + t.numel()] = t
+        past = list(cache.lengths)
+        out = verify(self.target, inputs, layers=list(self.proposer.layers), cache=cache, logits="all")
+        tokens, accepted = verify(accept_chains, ids, out.logits, sampling, probs, self.backend)
+        cache.crop([p + n + 1 for p, n in zip(past, accepted)])  # the last token and the accepted drafts
+        kept = [{i: h[b : b + 1, : n + 1] for i, h in out.hidden.items()} for b, n in enumerate(accepted)]
+        drafted = [t.numel() for t in ids]
+        return _Verified(tokens, accepted, drafted, drafted, kept)
+
+    # ------------------------------------------------------------------ trees
+    def _tree_step(self, batch, trees: list[DraftTree], shape, cache, sampling, verify) -> _Verified:
+        device = self.target.device
+        rows = len(batch.rows)
+        checked = [checked_tree(t, shape, self.target, self.proposer.name) for t in trees]
+        N = 1 + max(t.tokens.numel() for t in checked)
+        tokens = torch.zeros(rows, N, dtype=torch.long, device=device)
+        parents = torch.full((rows, N), -1, dtype=torch.long, device=device)
+        depth = torch.zeros(rows, N, dtype=torch.long, device=device)
+        mask = torch.eye(N, dtype=torch.bool).repeat(rows, 1, 1)  # padding nodes see only themselves
+        for b, t in enumerate(checked):
+            n = t.tokens.numel() + 1
+            tokens[b, 0] = batch.last[batch.rows[b]]
+            tokens[b, 1:n], parents[b, 1:n], depth[b, 1:n] = t.tokens, t.parents, t.depth
+            mask[b, :n, :n] = ancestor_mask(parents[b, :n].cpu())
+        past = list(cache.lengths)
+        out = verify(self.target, tokens, layers=list(self.proposer.layers), cache=cache,
+                     position_ids=depth, attn_mask=mask.to(device), logits="all")
+        path, emitted, accepted = verify(accept_trees, tokens, parents, out.logits, sampling, self.backend)
+        paths = [path[b, : n + 1] for b, n in enumerate(accepted)]
+        cache.keep(past, [p + x for p, x in zip(past, paths)])  # the root and the accepted path
+        kept = [{i: h[b : b + 1, x] for i, h in out.hidden.items()} for b, x in enumerate(paths)]
+        return _Verified(emitted, accepted, [t.tokens.numel() for t in checked], depth.max(1).values.tolist(), kept)

@@ -1,0 +1,343 @@
+"""Batched speculative decoding: the per-row KV cache, greedy outputs equal to plain batched
+decoding (chains, trees, every family, rows of different lengths that finish at different
+steps), lossless sampling at B > 1, the adaptive draft length and ``draftlab eval --batch-sizes``."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from draftlab.cli import main as cli_main
+from draftlab.errors import DraftlabError
+from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
+from draftlab.inference.batch import BatchedSpeculativeDecoder, generate_plain_batch
+from draftlab.inference.batch_eval import evaluate_batches, parse_batch_sizes
+from draftlab.inference.decoder import generate_plain
+from draftlab.inference.ngram import NgramProposer
+from draftlab.inference.prompts import EvalPrompt
+from draftlab.inference.proposer import PROPOSERS, Block, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
+from draftlab.models.drafter import DRAFTERS
+from test_decoder import PerturbedProposer
+from tiny import chi2_pvalue, exact_joint, random_samples
+
+TEXTS = ["The quick brown fox jumps", "Speculative decoding drafts tokens and the target verifies them all at once",
+         "a b c a b c a b"]
+N_NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama):
+    return [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llama, prompts):
+    """Each prompt's plain greedy continuation, decoded alone (batch 1)."""
+    return [generate_plain(tiny_llama, p, N_NEW).tokens for p in prompts]
+
+
+class RowOracle(Proposer):
+    """Drafts its row's greedy continuation (found by prompt) with tokens corrupted at random,
+    so rows accept different numbers of drafts; checks every advance stays on that path and
+    logs the hidden states it is given."""
+
+    name = "row-oracle"
+    shapes = frozenset({"chain", "block", "dynamic_tree"})
+
+    def __init__(self, refs: dict, vocab: int, corrupt=0.3, seed=0, layers=(2,)):
+        self.refs, self.vocab, self.corrupt = refs, vocab, corrupt
+        self.rng = random.Random(seed)
+        self.layers = tuple(layers)
+
+    def start(self, prompt_ids, hidden, next_token):
+        self.prompt = tuple(prompt_ids.tolist())
+        self.ref = self.refs[self.prompt]
+        assert next_token == self.ref[0]
+        self.pos, self.hidden_log = 1, [hidden]
+
+    def advance(self, accepted, hidden):
+        assert accepted.tolist() == self.ref[self.pos : self.pos + accepted.numel()], "decoder left the greedy path"
+        self.pos += accepted.numel()
+        self.hidden_log.append(hidden)
+
+    def _wrong(self, tok):
+        return (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+
+    def propose(self, shape):
+        if isinstance(shape, (Chain, Block)):
+            true = self.ref[self.pos : self.pos + shape.k]
+            return ChainDraft(torch.tensor([self._wrong(t) if self.rng.random() < self.corrupt else t for t in true],
+                                           dtype=torch.long))
+        tokens, parents, depth, node = [], [], [], 0
+        for d in range(1, shape.depth + 1):  # a wrong first sibling at each level, then the true token
+            if self.pos + d - 1 >= len(self.ref) or len(tokens) + 2 > shape.total_tokens:
+                break
+            true = self.ref[self.pos + d - 1]
+            tokens.append(self._wrong(true)), parents.append(node), depth.append(d)
+            if self.rng.random() < self.corrupt:
+                break
+            tokens.append(true), parents.append(node), depth.append(d)
+            node = len(tokens)
+        t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        return DraftTree(t(tokens), t(parents), t(depth))
+
+
+def _oracle(target, prompts, refs, **kw):
+    return RowOracle({tuple(p): r for p, r in zip(prompts, refs)}, target.vocab_size, **kw)
+
+
+# ---------------------------------------------------------------------- the per-row cache
+def test_ragged_cache_equals_each_row_alone(tiny_target_dirs):
+    from draftlab.models.target import Target
+
+    target = Target.load(str(tiny_target_dirs["qwen3"]))
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(5, 300, (n,), generator=g) for n in (7, 3, 11)]
+    cache = target.new_cache(3, 40, ragged=True)
+    ids = torch.zeros(3, 11, dtype=torch.long)
+    for b, p in enumerate(rows):
+        ids[b, : p.numel()] = p
+    out = target(ids, layers=[2], cache=cache, logits="all")
+    cache.crop([p.numel() for p in rows])
+    new = torch.randint(5, 300, (3, 2), generator=g)
+    out2 = target(new, cache=cache, logits="all")
+    for b, p in enumerate(rows):
+        ref = target(torch.cat([p, new[b]])[None], layers=[2], logits="all")
+        n = p.numel()
+        torch.testing.assert_close(out.logits[b, :n], ref.logits[0, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.hidden[2][b, :n], ref.hidden[2][0, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out2.logits[b], ref.logits[0, n:], atol=1e-4, rtol=1e-4)
+    cache.select([2, 0])
+    assert cache.lengths == [13, 9] and cache.k.shape[1] == 2
+
+
+# ---------------------------------------------------------------------- greedy
+def test_plain_batch_equals_each_prompt_alone(tiny_llama, prompts, alone):
+    res = generate_plain_batch(tiny_llama, prompts, N_NEW)
+    assert [r.tokens for r in res.rows] == alone
+    assert res.num_steps == N_NEW - 1
+
+
+@pytest.mark.parametrize("shape", [Chain(1), Chain(4), Block(3), DynamicTree(4, 2, 12)], ids=["chain1", "chain4", "block3", "tree"])
+def test_batched_greedy_equals_plain(tiny_llama, prompts, alone, shape):
+    """Rows of different prompt lengths accept different numbers of drafts at each step; each row
+    still equals plain decoding, and the hidden states its proposer was handed equal a fresh
+    forward over the same tokens (the per-row roll-back kept the right slots)."""
+    oracle = _oracle(tiny_llama, prompts, alone)
+    dec = BatchedSpeculativeDecoder(tiny_llama, oracle)
+    forks = []
+    oracle.batched = lambda n, shape: _record(Proposer.batched(oracle, n, shape), forks)
+    res = dec.generate(prompts, N_NEW, shape)
+    assert [r.tokens for r in res.rows] == alone
+    per_row = [r.accept_lengths for r in res.rows]
+    assert len({tuple(a) for a in per_row}) > 1, per_row  # rows did accept differently
+    assert res.num_steps < N_NEW - 1  # drafts were accepted
+    for prop, p, r in zip(forks, prompts, res.rows):
+        logged = torch.cat([h[2] for h in prop.hidden_log], dim=1)
+        full = tiny_llama(torch.tensor([p + r.tokens]), layers=[2], logits=None).hidden[2]
+        torch.testing.assert_close(logged, full[:, : logged.shape[1]], atol=1e-4, rtol=1e-4)
+
+
+def _record(rows, sink):
+    sink.extend(rows.rows)
+    return rows
+
+
+def test_rows_leave_the_batch_at_their_own_end(tiny_llama, prompts, alone):
+    """An eos that only row 1 emits (early) stops that row; the others go on to the length limit."""
+    eos = alone[1][5]
+    assert eos not in alone[0] + alone[2]
+    oracle = _oracle(tiny_llama, prompts, alone)
+    res = BatchedSpeculativeDecoder(tiny_llama, oracle).generate(prompts, N_NEW, Chain(3), eos_token_id=eos)
+    plain = generate_plain_batch(tiny_llama, prompts, N_NEW, eos_token_id=eos)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in plain.rows]
+    assert res.rows[1].tokens == alone[1][:6] and res.rows[1].stop_reason == "eos"
+    assert [res.rows[b].stop_reason for b in (0, 2)] == ["length", "length"]
+
+
+@pytest.mark.parametrize("algorithm,shape", [("eagle3", Chain(3)), ("eagle1", DynamicTree(3, 2, 8)), ("medusa", Chain(2)),
+                                             ("diffusion", Block(3)), ("ngram", Chain(3)), ("ngram", DynamicTree(3, 2, 8))])
+def test_every_family_decodes_batches_losslessly(tiny_llama, prompts, alone, algorithm, shape):
+    if algorithm == "ngram":
+        proposer = NgramProposer(3, 1)
+    else:
+        cls = DRAFTERS.get(algorithm, "algorithm")
+        torch.manual_seed(0)
+        samples = random_samples(tiny_llama, 2)
+        proposer = PROPOSERS.get(algorithm, "algorithm")(cls.build(cls.Config(), tiny_llama, samples))
+    res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
+    assert [r.tokens for r in res.rows] == alone
+
+
+# ---------------------------------------------------------------------- sampling
+def test_batched_sampling_preserves_each_rows_distribution(tiny_llama):
+    """Two rows with different prompts, drafts with real probabilities: each row's first three
+    tokens follow the target's top-k=3 distribution (chi-square), and the test has power."""
+    ps = [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
+    temperature, top_k, n = 1.0, 3, 500
+    dec = BatchedSpeculativeDecoder(tiny_llama, PerturbedProposer(tiny_llama, scale=1.0, seed=5))
+    counts = [Counter(), Counter()]
+    accepted = Counter()
+    for s in range(n):
+        res = dec.generate(ps, 3, Chain(2), temperature=temperature, top_k=top_k, seed=s)
+        for b in range(2):
+            counts[b][tuple(res.rows[b].tokens)] += 1
+            accepted.update(res.rows[b].accept_lengths[:1])
+    assert len(accepted) == 3, accepted
+    for b, p in enumerate(ps):
+        joint = exact_joint(tiny_llama, p, 3, temperature, top_k)
+        assert chi2_pvalue(counts[b], joint, n) > 1e-3
+        skewed = exact_joint(tiny_llama, p, 3, temperature, 2)
+        skewed = {c: 0.7 * joint[c] + 0.3 * skewed.get(c, 0.0) for c in joint}
+        assert chi2_pvalue(counts[b], skewed, n) < 1e-3
+
+
+# ---------------------------------------------------------------------- adaptive draft length
+def _cost(verify_per_token):
+    return VerifyCost({(1, k): 1.0 + verify_per_token * k for k in range(4)})
+
+
+def test_adaptive_policy_follows_cost_and_acceptance():
+    # verifying extra tokens is nearly free and drafts are always accepted: draft the most
+    cheap = AdaptiveDraftLength(_cost(0.01), max_k=3, warmup_steps=1)
+    cheap.observe(1, 3, [3] * 20, draft_seconds=0.0)
+    assert cheap.choose(1) == 3
+    # every extra verified token costs as much as a plain step and drafts are rejected: plain steps,
+    # with a probe of one more position every probe_every steps
+    dear = AdaptiveDraftLength(_cost(1.0), max_k=3, warmup_steps=1, probe_every=4)
+    dear.observe(1, 3, [0] * 20, draft_seconds=0.0)
+    chosen = [dear.choose(1) for _ in range(8) if not dear.observe(1, 0, [0], 0.0)]
+    assert chosen.count(0) == 6 and chosen.count(1) == 2
+    # alpha with a Laplace prior: (accepted + 1) / (reached + 2)
+    assert dear.alpha()[0] == pytest.approx(1 / 22)
+    # drafting cost counts: the same acceptance with dear drafting chooses shorter drafts
+    slow = AdaptiveDraftLength(_cost(0.01), max_k=3, warmup_steps=1)
+    slow.observe(1, 3, [1] * 20, draft_seconds=3 * 0.5)
+    fast = AdaptiveDraftLength(_cost(0.01), max_k=3, warmup_steps=1)
+    fast.observe(1, 3, [1] * 20, draft_seconds=3 * 0.001)
+    assert slow.choose(1) < fast.choose(1) == 3
+    assert slow.draft_seconds(4, 2) == pytest.approx(1.0)  # measured at B=1, the nearest
+
+
+def test_adaptive_decoding_stays_lossless(tiny_llama, prompts, alone):
+    policy = AdaptiveDraftLength(VerifyCost.measure(tiny_llama, [1, 3], 3, context=16, repeats=1), 3)
+    res = BatchedSpeculativeDecoder(tiny_llama, _oracle(tiny_llama, prompts, alone)).generate(
+        prompts, N_NEW, Chain(3), policy=policy)
+    assert [r.tokens for r in res.rows] == alone
+    assert res.draft_lengths == policy.chosen and set(res.draft_lengths) <= {0, 1, 2, 3}
+    with pytest.raises(DraftlabError, match="chain and block"):
+        BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, 4, DynamicTree(2, 2, 4), policy=policy)
+
+
+# ---------------------------------------------------------------------- evaluation and CLI
+def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
+    ps = [EvalPrompt("c", p, str(i)) for i, p in enumerate(prompts * 2)]
+    rep = evaluate_batches(tiny_llama, _oracle(tiny_llama, prompts, alone), ps, Chain(3), [1, 4], max_new_tokens=N_NEW,
+                           adaptive=True)
+    assert [e["batch_size"] for e in rep["entries"]] == [1, 4]
+    for e in rep["entries"]:
+        assert e["greedy_match"] == "6/6" and e["new_tokens"] == 6 * N_NEW
+        assert e["speedup"] == pytest.approx(e["tokens_per_s"] / e["baseline_tokens_per_s"])
+        split = e["draft_s"] + e["verify_s"] + e["other_s"]
+        assert split == pytest.approx(e["decode_time_s"], rel=1e-6) and e["prefill_s"] > 0
+        assert set(e["draft_lengths"]) <= {"0", "1", "2", "3"} and len(e["alpha_estimate"]) == 3
+    assert rep["entries"][1]["batched_vs_alone"] == "6/6"
+    assert set(rep["verify_cost_s"]) == {f"{b}x{k}" for b in (1, 4) for k in range(1, 5)}
+
+
+def test_eval_cli_batch_sizes(tiny_target_dirs, tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in zip("xyx", TEXTS)))
+    report = tmp_path / "r.json"
+    base = ["eval", "--drafter", "ngram", "--target", str(tiny_target_dirs["llama"]), "--data", str(data),
+            "--max-new-tokens", "12", "--k", "3"]
+    assert cli_main(base + ["--batch-sizes", "1,3", "--adaptive", "--report", str(report)]) == 0
+    rep = json.loads(report.read_text())
+    assert [e["batch_size"] for e in rep["batches"]["entries"]] == [1, 3] and rep["batches"]["adaptive"]
+    assert report.with_suffix(".batch.png").is_file()
+    assert "| batch | tok/s" in report.with_suffix(".md").read_text()
+    for bad, msg in ((["--batch-sizes", "1,x"], "--batch-sizes: expected comma-separated integers"),
+                     (["--batch-sizes", "0,2"], "--batch-sizes: expected distinct integers >= 1"),
+                     (["--adaptive"], "--adaptive chooses"),
+                     (["--batch-sizes", "2", "--method", "tree", "--adaptive"], "--adaptive chooses")):
+        capsys.readouterr()
+        assert cli_main(base + bad) != 0
+        err = capsys.readouterr().err.strip()
+        assert msg in err and "\n" not in err and "Traceback" not in err
+
+
+def test_parse_batch_sizes():
+    assert parse_batch_sizes("1,2, 4") == [1, 2, 4]
+    with pytest.raises(DraftlabError, match="distinct"):
+        parse_batch_sizes("2,2")
+
+
+@pytest.mark.parametrize("confident", [False, True])
+def test_eagle_chains_drafted_together_equal_row_by_row(tiny_llama, prompts, alone, confident):
+    """EAGLE's batched chains (one drafter forward per position for all rows, aligned cache
+    slots with per-row masks) draft what each row's own proposer drafts, also after rows kept
+    different numbers of tokens; and decode losslessly."""
+    from draftlab.inference.eagle import EagleChains
+    from draftlab.inference.proposer import Sampling
+
+    torch.manual_seed(0)
+    cls = DRAFTERS.get("eagle3", "algorithm")
+    proposer = PROPOSERS.get("eagle3", "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
+    together, by_row = proposer.batched(3, Chain(4)), Proposer.batched(proposer, 3, Chain(4))
+    assert isinstance(together, EagleChains) and not isinstance(by_row, EagleChains)
+    layers = list(proposer.layers)
+    for props in (together, by_row):
+        props.configure(Sampling())
+        for b, p in enumerate(prompts):
+            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=layers).hidden, alone[b][0])
+    # a threshold between the rows' first top-1 probabilities: some rows draft, others stop at once
+    first = together.last_logits.softmax(-1).max(-1).values.sort().values
+    min_confidence = float(first[:2].mean()) if confident else 0.0
+    shape = Chain(4, min_confidence)
+    kept = [1, 3, 2]  # tokens each row keeps at the first step
+    for step in range(2):
+        a, b = together.propose(shape), by_row.propose(shape)
+        assert [d.tokens.tolist() for d in a] == [d.tokens.tolist() for d in b]
+        if min_confidence:
+            assert len({d.tokens.numel() for d in a}) > 1, [d.tokens for d in a]  # rows stopped on their own
+        if step == 0:
+            acc, hid = [], []
+            for r, n in enumerate(kept):
+                seq = prompts[r] + alone[r][: n + 1]
+                acc.append(torch.tensor(alone[r][1 : n + 1]))
+                hid.append({i: h[:, len(prompts[r]) : len(prompts[r]) + n] for i, h in tiny_llama(torch.tensor([seq]), layers=layers).hidden.items()})
+            for props in (together, by_row):
+                props.advance(acc, hid, [0, 1, 2])
+    res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
+    assert [r.tokens for r in res.rows] == alone
+
+
+def test_reports_draw_alpha1_bars_and_speedup_by_batch(tmp_path, monkeypatch):
+    """One draft position: alpha_1 per category as bars; a batches section: its own PNG, both
+    linked from the Markdown."""
+    from draftlab.inference import report as rp
+
+    drawn = []
+    bars = rp._alpha1_bars
+    monkeypatch.setattr(rp, "_alpha1_bars", lambda ax, r: drawn.append(r["label"]) or bars(ax, r))
+    entries = [{"batch_size": b, "speedup": s, "tokens_per_s": 1.0, "baseline_tokens_per_s": 1.0, "tau": 1.3, "draft_s": 0.0,
+                "verify_s": 0.0, "other_s": 0.0, "prefill_s": 0.0} for b, s in ((1, 1.1), (4, 0.9))]
+    one = {"label": "k1", "alpha": [0.4], "tau": 1.4, "categories": {"code": {"alpha": [0.5]}, "chat": {"alpha": [0.3]}},
+           "batches": {"adaptive": False, "entries": entries}}
+    paths = rp.write_report(one, tmp_path / "one.json")
+    assert drawn == ["k1"] and paths["batch_plot"].is_file()
+    assert "![acceptance](one.png) ![speedup by batch size](one.batch.png)" in paths["markdown"].read_text()
+    rp.write_report({"label": "k3", "alpha": [0.4, 0.3, 0.2], "tau": 1.6, "categories": one["categories"]}, tmp_path / "three.json")
+    assert drawn == ["k1"]  # three positions: curves, not bars
