@@ -49,8 +49,8 @@ class BatchResult:
     """One batch's generation: per-row results and the batch's time split."""
 
     rows: list[GenerationResult]
-    prefill_time: float = 0.0
-    draft_time: float = 0.0  # proposers: start, propose, advance
+    prefill_time: float = 0.0  # the target's forwards over the prompts, and the proposers' start
+    draft_time: float = 0.0  # proposers: propose, advance
     verify_time: float = 0.0  # target forwards after the prefill and the verify kernels
     other_time: float = 0.0  # the rest of the decoding loop
     total_time: float = 0.0
@@ -200,8 +200,6 @@ class BatchedSpeculativeDecoder:
         room = max(p.numel() for p in prompts) + max_new_tokens + shape.max_nodes + 1
         cache = self.target.new_cache(len(prompts), room, ragged=True)
         first, hidden = _prefill(self.target, prompts, self.proposer.layers, cache, sampling, verify)
-        t1 = clock()
-        verify.seconds = 0.0
         batch = _Batch(len(prompts), max_new_tokens, _eos_set(eos_token_id))
         per_row = {name: [[] for _ in prompts] for name in ("accept_lengths", "num_drafted", "draft_depths")}
         going = batch.emit([[t] for t in first])
@@ -210,7 +208,10 @@ class BatchedSpeculativeDecoder:
         proposers = self.proposer.batched(len(going), shape)
         proposers.configure(sampling)
         for b, r in enumerate(going):
-            draft(proposers.start, b, prompts[r], hidden[r], first[r])
+            proposers.start(b, prompts[r], hidden[r], first[r])
+        # the drafter's pass over the prompts belongs to the prefill, as in a serving engine
+        t1 = clock()
+        verify.seconds = 0.0
         # What each row kept since its proposer was last advanced: advancing waits until the next
         # draft, so plain steps (k = 0) cost no drafter work and the catch-up is one call per row.
         pending: list[list[tuple[list[int], dict]]] = [[] for _ in going]

@@ -221,9 +221,35 @@ class EagleChains(RowProposers):
         # position t pairs token x_{t+1} with the target feature f_t, as EagleProposer.start
         self._starts[row] = (torch.cat([prompt_ids.reshape(-1)[1:], nxt]), hidden)
         if len(self._starts) == self.n:
-            rows = sorted(self._starts)
-            self._extend([self._starts[r][0] for r in rows], [self._starts[r][1] for r in rows], rows)
+            self._start_rows([self._starts[r] for r in range(self.n)])
             self._starts = {}
+
+    @torch.no_grad()
+    def _start_rows(self, rows: list[tuple[torch.Tensor, dict]]) -> None:
+        """Each prompt through the drafter alone (padding prompts of 33 and 2,544 tokens to one
+        forward made the start of a 16-row batch cost more than its decoding), then laid into
+        the shared cache at slots 0..n_b, the rest masked."""
+        d = self.drafter
+        caches, width = [], max(t.numel() for t, _ in rows)
+        for r, (tokens, hidden) in enumerate(rows):
+            cache = d.new_cache()
+            positions = torch.arange(tokens.numel(), device=tokens.device)[None]
+            h, logits = d.draft_step(tokens[None], d.features(hidden), positions, cache)
+            if self.last_h is None:
+                self.last_h = h.new_zeros(self.n, 1, h.shape[-1])
+                self.last_logits = logits.new_zeros(self.n, logits.shape[-1])
+            self.last_h[r, 0], self.last_logits[r] = h[0, -1], logits[0, -1]
+            self.pos[r] = tokens.numel()
+            caches.append(cache)
+        for i in range(len(self.cache.k)):
+            for name in ("k", "v"):
+                first = getattr(caches[0], name)[i]
+                layer = first.new_zeros(self.n, first.shape[1], width, first.shape[3])
+                for r, c in enumerate(caches):
+                    part = getattr(c, name)[i][0]
+                    layer[r, :, : part.shape[1]] = part
+                getattr(self.cache, name)[i] = layer
+        self.valid = torch.arange(width, device=self.last_h.device)[None] < torch.tensor(self.pos, device=self.last_h.device)[:, None]
 
     def advance(self, accepted, hidden, rows) -> None:
         self._extend([a.reshape(-1) for a in accepted], hidden, rows)
@@ -245,15 +271,12 @@ class EagleChains(RowProposers):
         positions = torch.tensor(self.pos, device=dev)[:, None] + steps
         new_valid = steps[None] < torch.tensor(counts, device=dev)[:, None]  # [n, width]
         past = self.cache.length
-        old = self.valid if self.valid is not None else torch.zeros(n, 0, dtype=torch.bool, device=dev)
+        old = self.valid
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
         # a padding query sees its own slot, so no row of the mask is empty
         mask = torch.cat([old[:, None].expand(n, width, past), (causal & new_valid[:, None]) | torch.eye(width, dtype=torch.bool, device=dev)], 2)
         h, logits = d.draft_step(ids, x, positions, self.cache, mask)
         self.valid = torch.cat([old, new_valid], 1)
-        if self.last_h is None:
-            self.last_h = h.new_zeros(n, 1, h.shape[-1])
-            self.last_logits = logits.new_zeros(n, logits.shape[-1])
         for r in rows:
             self.pos[r] += counts[r]
             self.last_h[r, 0], self.last_logits[r] = h[r, counts[r] - 1], logits[r, counts[r] - 1]
