@@ -176,9 +176,10 @@ class RaggedKVCache:
         assert len(lengths) == len(self.lengths) and all(0 <= n <= m for n, m in zip(lengths, self.lengths))
         self.lengths = list(lengths)
 
-    def keep(self, starts: list[int], index: list[torch.Tensor]) -> None:
-        """Row b: move slots ``index[b]`` (absolute, ascending) to ``starts[b]..``."""
-        for b, (start, idx) in enumerate(zip(starts, index)):
+    def keep(self, starts: list[int], index: list[torch.Tensor], rows: list[int] | None = None) -> None:
+        """Row ``rows[i]`` (default: row i): move slots ``index[i]`` (absolute, ascending) to
+        ``starts[i]..``."""
+        for b, start, idx in zip(rows if rows is not None else range(len(starts)), starts, index):
             n = idx.numel()
             self.k[:, b, :, start : start + n] = self.k[:, b, :, idx]
             self.v[:, b, :, start : start + n] = self.v[:, b, :, idx]

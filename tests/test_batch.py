@@ -341,3 +341,22 @@ def test_reports_draw_alpha1_bars_and_speedup_by_batch(tmp_path, monkeypatch):
     assert "![acceptance](one.png) ![speedup by batch size](one.batch.png)" in paths["markdown"].read_text()
     rp.write_report({"label": "k3", "alpha": [0.4, 0.3, 0.2], "tau": 1.6, "categories": one["categories"]}, tmp_path / "three.json")
     assert drawn == ["k1"]  # three positions: curves, not bars
+
+
+@pytest.mark.parametrize("shape", [None, Chain(3), DynamicTree(3, 2, 8)], ids=["plain", "chain", "tree"])
+def test_finished_rows_idle_then_compacted(tiny_llama, prompts, alone, shape, monkeypatch):
+    """Rows 1 and 3 stop at an early eos: they idle in the cache, which is compacted once half of
+    its rows are idle (one copy, not one per finished row); the rows still decoding are unchanged."""
+    from draftlab.models.target import RaggedKVCache
+
+    eos = alone[1][5]
+    four, refs = prompts + [prompts[1]], alone + [alone[1]]
+    selects = []
+    select = RaggedKVCache.select
+    monkeypatch.setattr(RaggedKVCache, "select", lambda self, rows: selects.append(list(rows)) or select(self, rows))
+    if shape is None:
+        res = generate_plain_batch(tiny_llama, four, N_NEW, eos_token_id=eos)
+    else:
+        res = BatchedSpeculativeDecoder(tiny_llama, _oracle(tiny_llama, four, refs)).generate(four, N_NEW, shape, eos_token_id=eos)
+    assert [r.tokens for r in res.rows] == [alone[0], alone[1][:6], alone[2], alone[1][:6]]
+    assert selects[0] == [0, 2] and len(selects) <= 2  # then possibly [1]: at most log2(4) copies
