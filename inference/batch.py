@@ -129,19 +129,22 @@ class _Batch:
         return going
 
     def compact(self, cache) -> None:
-        """Drop the idle rows from ``cache`` once they are half of it or more."""
+        """Drop the idle rows from ``cache`` once they are half of it or more; until then an
+        idle row's length is 0 (its dummy inputs need no room beyond what the cache has)."""
         if self.slots and len(self.slots) <= cache.batch_size // 2:
             cache.select(self.slots)
             self.slots = list(range(len(self.slots)))
+        else:
+            self.keep(cache, cache.lengths, [0] * len(self.slots))
 
     def inputs(self, cache, width: int, device) -> torch.Tensor:
         """[cache rows, width] input ids, zeros (idle rows keep them)."""
         return torch.zeros(cache.batch_size, width, dtype=torch.long, device=device)
 
     def keep(self, cache, past: list[int], kept: list[int]) -> None:
-        """Set each active row's cache length to its ``past`` plus what it ``kept``; idle rows
-        go back to ``past`` (the dummy forward's slots are dropped)."""
-        lengths = list(past)
+        """Set each active row's cache length to its ``past`` plus what it ``kept``, and each
+        idle row's to 0."""
+        lengths = [0] * cache.batch_size
         for s, n in zip(self.slots, kept):
             lengths[s] = past[s] + n
         cache.crop(lengths)
@@ -330,7 +333,7 @@ class BatchedSpeculativeDecoder:
         slots = batch.slots
         path, emitted, accepted = verify(accept_trees, tokens[slots], parents[slots], out.logits[slots], sampling, self.backend)
         paths = [path[b, : n + 1] for b, n in enumerate(accepted)]
-        batch.keep(cache, past, [0] * len(slots))  # idle rows back to their length; active rows next
+        batch.keep(cache, past, [0] * len(slots))  # idle rows to 0; active rows to their past, then their path
         cache.keep([past[s] for s in slots], [past[s] + x for s, x in zip(slots, paths)], slots)  # the root and the accepted path
         kept = [{i: h[s : s + 1, x] for i, h in out.hidden.items()} for s, x in zip(slots, paths)]
         return _Verified(emitted, accepted, [t.tokens.numel() for t in checked], depth[slots].max(1).values.tolist(), kept)

@@ -360,3 +360,19 @@ def test_finished_rows_idle_then_compacted(tiny_llama, prompts, alone, shape, mo
         res = BatchedSpeculativeDecoder(tiny_llama, _oracle(tiny_llama, four, refs)).generate(four, N_NEW, shape, eos_token_id=eos)
     assert [r.tokens for r in res.rows] == [alone[0], alone[1][:6], alone[2], alone[1][:6]]
     assert selects[0] == [0, 2] and len(selects) <= 2  # then possibly [1]: at most log2(4) copies
+
+
+def test_a_row_finishing_mid_step_leaves_room(tiny_llama, prompts, alone):
+    """A row that ends at its token budget inside an accepted run has more in its cache than it
+    emitted; idling it must not overflow the cache (it did once: 2557 slots needed, 2556 held)."""
+    long = [prompts[1], prompts[0], prompts[2], prompts[0]]
+    refs = {tuple(p): r for p, r in zip(prompts, alone)}
+
+    class LongestFirst(RowOracle):  # the longest prompt's row accepts everything, the others nothing
+        def start(self, prompt_ids, hidden, next_token):
+            super().start(prompt_ids, hidden, next_token)
+            self.corrupt = 0.0 if len(self.prompt) == len(prompts[1]) else 1.0
+
+    res = BatchedSpeculativeDecoder(tiny_llama, LongestFirst(refs, tiny_llama.vocab_size)).generate(long, 7, Chain(4))
+    assert res.rows[0].num_steps == 2 and res.rows[1].num_steps == 6
+    assert [r.tokens for r in res.rows] == [refs[tuple(p)][:7] for p in long]
