@@ -29,7 +29,7 @@ from draftlab.errors import DraftlabError
 from draftlab.losses.diffusion import LOSSES, block_loss, distribution_terms, expected_streak, token_terms
 from draftlab.losses.eagle import shift_left
 from draftlab.models.drafter import DRAFTERS, Drafter
-from draftlab.models.feature_scale import feature_inverse_rms
+from draftlab.models.feature_scale import fill_measured_buffers
 from draftlab.models.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, rope
 
 
@@ -131,7 +131,6 @@ class DiffusionDrafter(Drafter):
 
     @classmethod
     def build(cls, cfg: DiffusionConfig, target, samples=None) -> "DiffusionDrafter":
-        from draftlab.data.vocab import draft_vocab
 
         L, V = target.num_layers, target.vocab_size
         layers = cfg.target_layers or cls.default_target_layers(L, cfg.num_layers)
@@ -144,11 +143,7 @@ class DiffusionDrafter(Drafter):
             raise DraftlabError(f"drafter.mask_token_id: {mask_id} is outside the target vocabulary 0..{V - 1}")
         m = cls(dflash_shape(target.config), V, vd, layers, cfg.num_layers, cfg.block_size, mask_id, cfg.normalize_fc_input)
         m.num_target_layers = L
-        if cfg.normalize_fc_input:
-            m.fc_input_scale.copy_(feature_inverse_rms(target, layers, samples))
-        d2t, t2d = draft_vocab(samples, V, vd)
-        m.d2t.copy_(d2t)
-        m.t2d.copy_(t2d)
+        fill_measured_buffers(m, target, layers, samples, cfg.normalize_fc_input, V, vd)
         with torch.no_grad():
             if cfg.init_from_target:
                 m.init_from_target(target)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from draftlab.errors import DraftlabError
 from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
 from draftlab.models.drafter import DRAFTERS, Drafter
-from draftlab.models.feature_scale import feature_inverse_rms
+from draftlab.models.feature_scale import fill_measured_buffers
 from draftlab.models.layers import DecoderLayer, DraftKVCache, LayerShape, RMSNorm, Rotary, ttt_attention
 
 
@@ -143,7 +143,6 @@ class Eagle3Drafter(EagleBase):
 
     @classmethod
     def build(cls, cfg: Eagle3Config, target, samples=None) -> "Eagle3Drafter":
-        from draftlab.data.vocab import draft_vocab
 
         L, V = target.num_layers, target.vocab_size
         aux = cfg.aux_layers or cls.default_aux_layers(L)
@@ -153,11 +152,7 @@ class Eagle3Drafter(EagleBase):
         vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
         m = cls(LayerShape.from_hf(target.config), V, vd, aux, cfg.num_layers, cfg.normalize_fc_input)
         m.num_target_layers = L
-        if cfg.normalize_fc_input:
-            m.fc_input_scale.copy_(feature_inverse_rms(target, aux, samples))
-        d2t, t2d = draft_vocab(samples, V, vd)
-        m.d2t.copy_(d2t)
-        m.t2d.copy_(t2d)
+        fill_measured_buffers(m, target, aux, samples, cfg.normalize_fc_input, V, vd)
         if cfg.init_lm_head_from_target:
             # Start as the target's own read-out: its final-norm gain and its lm_head rows.
             with torch.no_grad():

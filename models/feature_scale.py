@@ -27,3 +27,17 @@ def feature_inverse_rms(target, layers: list[int], samples, max_samples: int = 1
     if not n:
         raise DraftlabError("drafter.normalize_fc_input needs training samples to measure feature scales")
     return (sq / n).sqrt().clamp_min(1e-3).reciprocal()
+
+
+@torch.no_grad()
+def fill_measured_buffers(m, target, layers: list[int], samples, normalize: bool, vocab_size: int, draft_vocab_size: int) -> None:
+    """What a fused-feature drafter (EAGLE-3, diffusion) measures on training data at build:
+    ``fc_input_scale`` (the fused features' 1/RMS, when ``normalize``) and the draft vocabulary's
+    ``d2t`` / ``t2d`` maps."""
+    from draftlab.data.vocab import draft_vocab
+
+    if normalize:
+        m.fc_input_scale.copy_(feature_inverse_rms(target, layers, samples))
+    d2t, t2d = draft_vocab(samples, vocab_size, draft_vocab_size)
+    m.d2t.copy_(d2t)
+    m.t2d.copy_(t2d)
