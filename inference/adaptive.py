@@ -4,23 +4,28 @@ A step of B rows drafting k tokens each costs the target's verify forward over B
 inputs plus the drafting, and yields on average E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens
 per row. The policy picks the k that maximises B * E(k) / cost(B, k):
 
-- ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up
-  (:class:`VerifyCost`), plus the drafting's, measured while decoding (seconds per draft
-  position at that batch size: drafting cost differs by family, and by whether it drafts row
-  by row or all rows at once, so it is only known once a proposer has run);
+- ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up at a short
+  context (:class:`VerifyCost`), plus what decoding adds to it at batch size B (the real
+  context: longer prompts make every forward read more of the KV cache, a cost that does not
+  grow with k; a running mean of measured minus modelled seconds), plus the drafting's
+  (seconds per draft position at that batch size, measured while decoding: drafting cost
+  differs by family, and by whether it drafts row by row or all rows at once);
 - ``alpha_i``: the acceptance observed so far at draft position i, with a Laplace prior
-  ((accepted + 1) / (reached + 2)), so an unseen position counts as a coin flip.
+  ((accepted + 1) / (reached + 2)).
+
+Exploration is optimistic: when the k chosen from the estimates would change under the upper
+confidence bounds of alpha (mean + ``confidence`` standard errors), the policy drafts one more
+position than the estimates say, so an estimate it stopped feeding cannot freeze, and stops
+probing once enough rows have been seen that even the optimistic alpha would not pay. A batch of
+B rows teaches B observations per step, so probing ends sooner where it costs most. Unknown
+drafting cost counts as free until measured.
 
 Why: with more rows the verify forward turns from weight-bound to compute-bound, so a draft
 that pays at batch 1 can cost more than it yields at batch 16 (SpecDecodeBench: EAGLE's
-speedup falls from 1.73x at batch 1 to 1.21x at batch 128). The policy starts with ``max_k``
-for a few steps to learn alpha, and when it has settled below ``max_k`` it still drafts one
-more position every ``probe_every`` steps, so that an estimate it no longer feeds cannot freeze.
+speedup falls from 1.73x at batch 1 to 1.21x at batch 128).
 """
 
 from __future__ import annotations
-
-import statistics
 
 import torch
 
@@ -38,7 +43,7 @@ class VerifyCost:
 
     @classmethod
     @torch.no_grad()
-    def measure(cls, target, batch_sizes, max_k: int, context: int = 256, repeats: int = 3) -> "VerifyCost":
+    def measure(cls, target, batch_sizes, max_k: int, context: int = 256, repeats: int = 5) -> "VerifyCost":
         clock = _Clock(target.device)
         seconds = {}
         g = torch.Generator().manual_seed(0)
@@ -52,7 +57,7 @@ class VerifyCost:
                     t0 = clock()
                     target(ids, cache=cache, logits="all")
                     times.append(clock() - t0)
-                seconds[(B, k)] = statistics.median(times[1:])
+                seconds[(B, k)] = min(times[1:])  # noise from other work only adds time
         return cls(seconds)
 
     def __call__(self, B: int, k: int) -> float:
@@ -73,57 +78,74 @@ class VerifyCost:
 
 
 class AdaptiveDraftLength:
-    """The decoding policy of :class:`~draftlab.inference.batch.BatchedSpeculativeDecoder`:
-    ``choose(B) -> k`` before a step, ``observe(B, k, accepted, draft_seconds)`` after it."""
+    """The decoding policy of :class:`~draftlab.inference.decoder.BatchedSpeculativeDecoder`:
+    ``choose(B) -> k`` before a step, ``observe(B, k, accepted, draft_seconds, verify_seconds)``
+    after it. One policy may serve many batches (an evaluation keeps one across batch sizes:
+    acceptance does not depend on the batch size, and a server would not forget it either)."""
 
-    def __init__(self, cost: VerifyCost, max_k: int, warmup_steps: int = 4, probe_every: int = 16):
+    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, smoothing: float = 0.2):
         self.cost, self.max_k = cost, max_k
-        self.warmup_steps, self.probe_every = warmup_steps, probe_every
+        self.confidence, self.smoothing = confidence, smoothing
         self.reached = [0] * (max_k + 1)  # index j: rows whose draft reached position j
         self.accepted = [0] * (max_k + 1)
         # batch size -> [seconds, draft positions] of the steps that drafted: per-row proposers
         # cost B times a row's drafting, batched ones (EagleChains) about one row's
         self.drafting: dict[int, list[float]] = {}
-        self.steps = 0
+        self.extra: dict[int, float] = {}  # batch size -> running mean of measured - modelled verify seconds
         self.chosen: list[int] = []
 
     def alpha(self) -> list[float]:
         return [(self.accepted[j] + 1) / (self.reached[j] + 2) for j in range(1, self.max_k + 1)]
 
-    def expected_tokens(self, k: int) -> float:
+    def optimistic_alpha(self) -> list[float]:
+        return [min(1.0, a + self.confidence * (a * (1 - a) / (self.reached[j] + 2)) ** 0.5)
+                for j, a in enumerate(self.alpha(), start=1)]
+
+    def expected_tokens(self, k: int, alpha: list[float] | None = None) -> float:
         e, p = 1.0, 1.0
-        for a in self.alpha()[:k]:
+        for a in (self.alpha() if alpha is None else alpha)[:k]:
             p *= a
             e += p
         return e
 
+    @staticmethod
+    def _nearest(table: dict, B: int):
+        return table[min(table, key=lambda b: (abs(b - B), b))] if table else None
+
     def draft_seconds(self, B: int, k: int) -> float:
         """k draft positions at batch size B: the mean cost of a position measured at B, else at
-        the nearest batch size measured."""
-        if not self.drafting or k == 0:
+        the nearest batch size measured (0 before any)."""
+        measured = self._nearest(self.drafting, B)
+        if measured is None or k == 0:
             return 0.0
-        near = min(self.drafting, key=lambda b: (abs(b - B), b))
-        seconds, positions = self.drafting[near]
+        seconds, positions = measured
         return k * seconds / positions
 
-    def step_seconds(self, B: int, k: int) -> float:
-        return self.cost(B, k) + self.draft_seconds(B, k)
+    def verify_seconds(self, B: int, k: int) -> float:
+        return self.cost(B, k) + (self._nearest(self.extra, B) or 0.0)
 
-    def best(self, B: int) -> int:
-        return max(range(self.max_k + 1), key=lambda k: B * self.expected_tokens(k) / self.step_seconds(B, k))
+    def step_seconds(self, B: int, k: int) -> float:
+        return self.verify_seconds(B, k) + self.draft_seconds(B, k)
+
+    def best(self, B: int, alpha: list[float] | None = None) -> int:
+        return max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k, alpha) / self.step_seconds(B, k))
 
     def choose(self, B: int) -> int:
-        if self.steps < self.warmup_steps or not self.drafting:
-            k = self.max_k
-        else:
-            k = self.best(B)
-            if k < self.max_k and self.steps % self.probe_every == 0:
-                k += 1
+        k = self.best(B)
+        if k < self.max_k and self.best(B, self.optimistic_alpha()) > k:
+            k += 1  # probe: the next position might pay
         self.chosen.append(k)
         return k
 
-    def observe(self, B: int, k: int, accepted: list[int], draft_seconds: float) -> None:
-        self.steps += 1
+    def observe(self, B: int, k: int, accepted: list[int], draft_seconds: float | None = None,
+                verify_seconds: float | None = None) -> None:
+        """After a step of B rows that drafted k: each row's accepted count, the drafting's
+        seconds (None: not representative, e.g. a catch-up after plain steps) and the verify
+        forward's."""
+        if verify_seconds is not None:
+            gap = verify_seconds - self.cost(B, k)
+            old = self.extra.get(B)
+            self.extra[B] = gap if old is None else old + self.smoothing * (gap - old)
         if k == 0:
             return
         for n in accepted:
@@ -131,6 +153,7 @@ class AdaptiveDraftLength:
                 self.reached[j] += 1
             for j in range(1, n + 1):
                 self.accepted[j] += 1
-        cost = self.drafting.setdefault(B, [0.0, 0])
-        cost[0] += draft_seconds
-        cost[1] += k
+        if draft_seconds is not None:
+            cost = self.drafting.setdefault(B, [0.0, 0])
+            cost[0] += draft_seconds
+            cost[1] += k

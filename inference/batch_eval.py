@@ -3,7 +3,7 @@ recipe).
 
 For each batch size B the prompts are decoded in consecutive groups of B, plain and
 speculative back to back on the same group (the order alternating between groups), with the
-batched decoder (:mod:`draftlab.inference.batch`) for both. Per batch size: plain and
+batched decoder (:mod:`draftlab.inference.decoder`) for both. Per batch size: plain and
 speculative tokens/s (all rows' tokens over the groups' decoding time: the prefill, the same
 forward in both, is left out and reported apart), speedup, tau and alpha_j,
 the split of the speculative time into prefill, draft, verify and the rest, and two greedy
@@ -13,14 +13,15 @@ float near-ties, and is counted, not hidden).
 
 ``adaptive``: the draft length is chosen per step by
 :class:`~draftlab.inference.adaptive.AdaptiveDraftLength`, up to the shape's k, with the verify
-cost measured once at start-up for these batch sizes.
+cost measured once at start-up for these batch sizes; one policy runs through all batch sizes,
+in the order given, as in a server whose load changes.
 """
 
 from __future__ import annotations
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
-from draftlab.inference.batch import BatchedSpeculativeDecoder, generate_plain_batch
+from draftlab.inference.decoder import BatchedSpeculativeDecoder, generate_plain_batch
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.proposer import Block, Chain
 
@@ -61,11 +62,12 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
         generate_plain_batch(target, ids[:B], seed=seed, **warm)
         decoder.generate(ids[:B], shape=shape, seed=seed, **warm)
     cost = VerifyCost.measure(target, batch_sizes, shape.k) if adaptive else None
+    # one policy for the whole run: what it learnt of acceptance and drafting cost at one batch
+    # size holds at the next (the verify cost it keeps per batch size)
+    policy = AdaptiveDraftLength(cost, shape.k) if adaptive else None
     entries = []
     for B in batch_sizes:
         e = _Entry(B)
-        policy = AdaptiveDraftLength(cost, shape.k) if adaptive else None
-        e.policy = policy
         for g, start in enumerate(range(0, len(ids), B)):
             group = ids[start : start + B]
             run_base = lambda: generate_plain_batch(target, group, seed=seed + start, **opts)  # noqa: E731
@@ -79,6 +81,8 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
             e.add(spec, base, greedy)
             if progress is not None:
                 progress(B, min(start + B, len(ids)), len(ids))
+        if policy is not None:
+            e.alpha_estimate = policy.alpha()
         entries.append(e)
     if greedy and max(batch_sizes) > 1:
         # each prompt decoded alone: batch size 1's plain outputs when measured, else decoded now
@@ -100,7 +104,7 @@ class _Entry:
         self.base_outputs: list[list[int]] = []
         self.matched = self.compared = 0
         self.asked: list[int] = []
-        self.policy = None
+        self.alpha_estimate: list[float] | None = None  # the adaptive policy's, after this batch size
         self.alone_same: int | None = None  # plain batched rows equal to the prompt decoded alone
 
     def add(self, spec, base, greedy: bool) -> None:
@@ -137,8 +141,8 @@ class _Entry:
         }
         if self.alone_same is not None:
             out["batched_vs_alone"] = f"{self.alone_same}/{len(self.base_outputs)}"
-        if self.policy is not None:
+        if self.alpha_estimate is not None:
             counts = {k: self.asked.count(k) for k in sorted(set(self.asked))}
             out["draft_lengths"] = {str(k): n for k, n in counts.items()}
-            out["alpha_estimate"] = self.policy.alpha()
+            out["alpha_estimate"] = self.alpha_estimate
         return out

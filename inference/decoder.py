@@ -1,15 +1,35 @@
-"""Speculative decoding (chain, block and tree) and the plain baseline, on the target's KV cache.
+"""Speculative decoding (chain, block and tree) and the plain baseline, for one sequence or a
+batch, on the target's KV cache.
 
-Both decoders share the prefill, the sampling rule (:func:`process_logits`) and the stopping
-rule, so a speedup compares like with like: one prefill, then per step one target forward
-(plain: over the last token; speculative: over ``[last token, drafts...]``). A speculative
-step reads top to bottom: draft, one target forward, accept (``kernels.accept_chain`` /
-``accept_tree``), roll the cache back to the kept tokens (chain: ``crop``; tree: ``keep`` of the
-accepted path's slots). The bonus/correction token becomes the next step's "last token" and is
-written to the cache by that next forward. Nothing is ever re-prefilled.
+Plain and speculative decoding share the prefill, the sampling rule (:func:`process_logits`),
+the stopping rule and the step that emits one token per row, so a speedup compares like with
+like: one prefill, then per step one target forward (plain: over the last token; speculative:
+over ``[last token, drafts...]``). A speculative step reads top to bottom: draft, one target
+forward, accept (``kernels.accept_chains`` / ``accept_trees``), roll the cache back to the kept
+tokens (chain: ``crop``; tree: ``keep`` of the accepted path's slots). The bonus/correction
+token becomes the next step's "last token" and is written to the cache by that next forward.
+Nothing is ever re-prefilled.
 
-This decoder runs one sequence; :mod:`draftlab.inference.batch` decodes a batch (a cache
-with one length per row) and measures speedup by batch size.
+B sequences decode at once, each with its own prompt length, its own accepted length per step
+and its own end; one sequence is the batch of one (:class:`SpeculativeDecoder`,
+:func:`generate_plain`). The target's cache holds one length per row
+(:class:`~draftlab.models.target.RaggedKVCache`): one forward verifies every row's drafts
+(chains padded to the longest, trees padded to the largest), the ragged verify kernels accept
+each row's prefix, and each row keeps its own slots. A row that stops (eos or its token budget)
+leaves the batch: its proposer at once, its cache row once half the rows have left (each drop
+copies the cache), so later steps cost about what the rows still decoding cost.
+
+Drafting goes through :meth:`Proposer.batched`: by default one fork of the proposer per row,
+drafting row after row; a family may draft all rows at once (EAGLE's chains:
+:class:`~draftlab.inference.eagle.EagleChains`). A step's time is split into draft (proposer),
+verify (the target's forward and the verify kernels) and the rest (building inputs, rolling
+back, bookkeeping); the proposers' pass over the prompts counts as prefill, as in a serving
+engine.
+
+Greedy outputs of a row equal plain *batched* decoding of the same batch. They can differ from
+the same prompt decoded alone: a batch changes the shapes of the matrix products, and float
+rounding then decides near-ties differently. :mod:`draftlab.inference.batch_eval` counts such
+rows instead of hiding them.
 """
 
 from __future__ import annotations
@@ -21,9 +41,11 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
-from draftlab.inference.proposer import Block, Chain, ChainDraft, DraftTree, Proposer, Sampling, Shape, check_shape
-from draftlab.inference.tree import accepted_slots, tree_verify_inputs, validate_tree
-from draftlab.kernels import accept_chain, accept_tree
+from draftlab.inference.proposer import (
+    Block, Chain, ChainDraft, DraftTree, Proposer, RowProposers, Sampling, Shape, check_shape,
+)
+from draftlab.inference.tree import ancestor_mask, validate_tree
+from draftlab.kernels import accept_chains, accept_trees
 
 
 @dataclass
@@ -32,9 +54,9 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # per verify step: drafts accepted (tree: depth)
     num_drafted: list[int] = field(default_factory=list)  # per verify step: draft tokens / tree nodes verified
     draft_depths: list[int] = field(default_factory=list)  # per verify step: longest acceptable run offered
-    draft_time: float = 0.0  # proposer (start, propose, advance), seconds
+    draft_time: float = 0.0  # proposer (propose, advance), seconds
     verify_time: float = 0.0  # the decoding loop but the proposer: target forwards, verification, roll-back
-    prefill_time: float = 0.0
+    prefill_time: float = 0.0  # the target's forward over the prompt and the proposer's start
     total_time: float = 0.0
     stop_reason: str = "length"  # "length" or "eos"
     num_steps: int = 0  # target forwards after the prefill
@@ -119,11 +141,6 @@ class _Emitter:
         return self.stop_reason is not None
 
 
-def _prefill(target, prompt: torch.Tensor, layers, cache, sampling: Sampling):
-    out = target(prompt[None], layers=list(layers), cache=cache, logits="last")
-    return sampling.next_token(out.logits[0, -1]), out.hidden
-
-
 def checked_chain(draft: ChainDraft, shape: Chain | Block, target, name: str):
     """A proposer's chain draft as (tokens, probabilities or None) on the target's device,
     checked against ``shape`` and the vocabulary (``name``: the proposer, for the error)."""
@@ -152,163 +169,360 @@ def checked_tree(tree: DraftTree, shape: Shape, target, name: str) -> DraftTree:
     return tree
 
 
-# ---------------------------------------------------------------------- plain baseline
-@torch.no_grad()
-def generate_plain(
-    target,
-    prompt_ids,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    eos_token_id=None,
-) -> GenerationResult:
-    """Autoregressive decoding, one token per target forward, on the same cache and forward."""
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    clock = _Clock(target.device)
-    t0 = clock()
-    prompt = _as_prompt(prompt_ids, target.device)
-    sampling = _sampling(target.device, temperature, top_k, top_p, seed)
-    cache = target.new_cache(1, prompt.numel() + max_new_tokens)
-    tok, _ = _prefill(target, prompt, (), cache, sampling)
-    t1 = clock()
-    em = _Emitter(max_new_tokens, _eos_set(eos_token_id))
-    done = em.emit([tok])
-    while not done:
-        out = target(torch.tensor([[tok]], device=target.device), cache=cache, logits="last")
-        tok = sampling.next_token(out.logits[0, -1])
-        done = em.emit([tok])
-    t2 = clock()
-    return GenerationResult(
-        em.tokens,
-        prefill_time=t1 - t0,
-        verify_time=t2 - t1,
-        total_time=t2 - t0,
-        stop_reason=em.stop_reason,
-        num_steps=len(em.tokens) - 1,
-    )
+@dataclass
+class BatchResult:
+    """One batch's generation: per-row results and the batch's time split."""
+
+    rows: list[GenerationResult]
+    prefill_time: float = 0.0  # the target's forwards over the prompts, and the proposers' start
+    draft_time: float = 0.0  # proposers: propose, advance
+    verify_time: float = 0.0  # target forwards after the prefill and the verify kernels
+    other_time: float = 0.0  # the rest of the decoding loop
+    total_time: float = 0.0
+    num_steps: int = 0  # batched target forwards after the prefill
+    draft_lengths: list[int] = field(default_factory=list)  # per step: the draft length asked (adaptive policy)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
 
 
-# ---------------------------------------------------------------------- speculative
-class _TimedProposer:
-    """The proposer behind a stopwatch: the time of its start, propose and advance adds up in
-    ``seconds``, so the decoding loop reads without timers."""
+class _Stopwatch:
+    def __init__(self, device):
+        self.clock = _Clock(device)
+        self.seconds = 0.0
 
-    def __init__(self, proposer: Proposer, clock: _Clock):
-        self.proposer, self.clock, self.seconds = proposer, clock, 0.0
-        self.name, self.layers = proposer.name, proposer.layers
-
-    def _timed(self, method, *args):
+    def __call__(self, fn, *args, **kw):
         t0 = self.clock()
-        out = method(*args)
+        out = fn(*args, **kw)
         self.seconds += self.clock() - t0
         return out
 
-    def start(self, prompt_ids, hidden, next_token) -> None:
-        self._timed(self.proposer.start, prompt_ids, hidden, next_token)
 
-    def propose(self, shape: Shape):
-        return self._timed(self.proposer.propose, shape)
-
-    def advance(self, accepted, hidden) -> None:
-        self._timed(self.proposer.advance, accepted, hidden)
+def _prompts(prompt_ids, device) -> list[torch.Tensor]:
+    prompts = [_as_prompt(p, device) for p in prompt_ids]
+    if not prompts:
+        raise DraftlabError("prompt_ids: the batch is empty")
+    return prompts
 
 
+def _cache_slots(prompts) -> list[int]:
+    """The cache row of each prompt: rows in order of prompt length, so that rows of similar
+    length are neighbours and attend together (``models.target.attention_groups``)."""
+    slots = [0] * len(prompts)
+    for s, r in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r].numel())):
+        slots[r] = s
+    return slots
+
+
+def _prefill(target, prompts, slots, layers, cache, sampling: Sampling, verify: _Stopwatch):
+    """Each prompt in its own forward, into its row ``slots[r]`` of ``cache`` (padding a batch
+    of a 33- and a 2544-token prompt to one forward would compute the short one's padding);
+    returns each prompt's first token and its hidden states ({layer: [1, T_r, H]})."""
+    last, hidden = [], []
+    for p, s in zip(prompts, slots):
+        out = verify(target, p[None], layers=list(layers), cache=cache.row(s), logits="last")
+        last.append(out.logits[0, -1])
+        hidden.append(out.hidden)
+    for p, s in zip(prompts, slots):
+        cache.lengths[s] = p.numel()  # what the row views filled
+    return _next_tokens(torch.stack(last), sampling), hidden
+
+
+def _next_tokens(logits: torch.Tensor, sampling: Sampling) -> list[int]:
+    """The target's next token of each row of ``logits`` [B, V], drawn as plain decoding draws."""
+    if sampling.greedy:
+        return logits.max(-1).indices.tolist()
+    return sampling.sample(sampling.probs(logits)).tolist()
+
+
+class _Batch:
+    """The rows still decoding: their index in the batch, their row of the KV cache, emitter and
+    last token.
+
+    A finished row stays in the cache, idle (fed a dummy token whose slots are never kept),
+    until half of the cache's rows are idle: dropping a row copies the whole cache (sized by the
+    longest prompt: ~2 GB for 16 rows of a 2,544-token prompt, 0.65 s on the AMD EPYC), so
+    doing it once per halving instead of once per finished row bounds the copies by log2(B)."""
+
+    def __init__(self, slots: list[int], max_new_tokens: int, eos, on_step=None):
+        n = len(slots)
+        self.rows = list(range(n))
+        self.slots = list(slots)  # cache row of each active row
+        self.emitters = [_Emitter(max_new_tokens, eos, on_step and (lambda t, r=r: on_step(r, t))) for r in range(n)]
+        self.last: list[int] = [0] * n
+
+    def emit(self, tokens: list[list[int]]) -> list[int]:
+        """Emit each active row's tokens; returns the positions (in the active list) of rows
+        that go on, and removes the others."""
+        going = []
+        for pos, (r, new) in enumerate(zip(self.rows, tokens)):
+            if not self.emitters[r].emit(new):
+                going.append(pos)
+                self.last[r] = new[-1]
+        self.rows = [self.rows[p] for p in going]
+        self.slots = [self.slots[p] for p in going]
+        return going
+
+    def compact(self, cache) -> None:
+        """Drop the idle rows from ``cache`` once they are half of it or more; until then an
+        idle row's length is 0 (its dummy inputs need no room beyond what the cache has)."""
+        if self.slots and len(self.slots) <= cache.batch_size // 2:
+            kept = sorted(self.slots)  # in cache order: rows stay laid out by length
+            cache.select(kept)
+            self.slots = [kept.index(s) for s in self.slots]
+        else:
+            self.keep(cache, cache.lengths, [0] * len(self.slots))
+
+    def inputs(self, cache, width: int, device) -> torch.Tensor:
+        """[cache rows, width] input ids, zeros (idle rows keep them)."""
+        return torch.zeros(cache.batch_size, width, dtype=torch.long, device=device)
+
+    def keep(self, cache, past: list[int], kept: list[int]) -> None:
+        """Set each active row's cache length to its ``past`` plus what it ``kept``, and each
+        idle row's to 0."""
+        lengths = [0] * cache.batch_size
+        for s, n in zip(self.slots, kept):
+            lengths[s] = past[s] + n
+        cache.crop(lengths)
+
+
+def _results(batch: _Batch, per_row: dict) -> list[GenerationResult]:
+    return [
+        GenerationResult(e.tokens, stop_reason=e.stop_reason, **{k: v[r] for k, v in per_row.items()})
+        for r, e in enumerate(batch.emitters)
+    ]
+
+
+# ---------------------------------------------------------------------- plain decoding
+@torch.no_grad()
+def generate_plain_batch(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                         top_p: float = 1.0, seed: int = 0, eos_token_id=None) -> BatchResult:
+    """Plain autoregressive decoding of a batch: one target forward per step over every row
+    still decoding."""
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    device = target.device
+    clock, verify = _Clock(device), _Stopwatch(device)
+    t0 = clock()
+    prompts = _prompts(prompt_ids, device)
+    sampling = _sampling(device, temperature, top_k, top_p, seed)
+    cache = target.new_cache(len(prompts), max(p.numel() for p in prompts) + max_new_tokens, ragged=True)
+    slots = _cache_slots(prompts)
+    first, _ = _prefill(target, prompts, slots, (), cache, sampling, verify)
+    t1 = clock()
+    verify.seconds = 0.0
+    batch = _Batch(slots, max_new_tokens, _eos_set(eos_token_id))
+    batch.emit([[t] for t in first])
+    steps = 0
+    while batch.rows:
+        batch.compact(cache)
+        batch.emit(_plain_step(target, batch, cache, sampling, verify).tokens)
+        steps += 1
+    t2 = clock()
+    return BatchResult(
+        _results(batch, {"num_steps": [len(e.tokens) - 1 for e in batch.emitters]}),
+        prefill_time=t1 - t0, verify_time=verify.seconds, other_time=t2 - t1 - verify.seconds,
+        total_time=t2 - t0, num_steps=steps,
+    )
+
+
+def generate_plain(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, seed: int = 0, eos_token_id=None) -> GenerationResult:
+    """Plain autoregressive decoding of one sequence (the batch of one)."""
+    return _alone(generate_plain_batch(target, [prompt_ids], max_new_tokens, temperature, top_k, top_p, seed, eos_token_id))
+
+
+def _alone(res: BatchResult) -> GenerationResult:
+    """A batch of one as one sequence's result, with the batch's time split."""
+    row = res.rows[0]
+    row.prefill_time, row.draft_time, row.total_time = res.prefill_time, res.draft_time, res.total_time
+    row.verify_time = res.verify_time + res.other_time
+    return row
+
+
+# ---------------------------------------------------------------------- speculative decoding
 @dataclass
-class _Step:
-    """What one speculative step emitted and kept."""
+class _Verified:
+    """One batched step, per active row."""
 
-    tokens: list[int]  # accepted drafts, then the correction or bonus token
-    accepted: int  # drafts accepted (tree: the accepted path's depth)
-    drafted: int  # draft tokens / tree nodes verified
-    depth: int  # longest acceptable run offered
-    hidden: dict[int, torch.Tensor]  # the target's hidden states of the kept inputs
+    tokens: list[list[int]]  # accepted drafts, then the correction or bonus token
+    accepted: list[int]  # drafts accepted (tree: the accepted path's depth)
+    drafted: list[int]  # draft tokens / tree nodes verified
+    depth: list[int]  # longest acceptable run offered
+    hidden: list[dict[int, torch.Tensor]]  # the target's hidden states of the kept inputs, [1, n + 1, H]
+
+
+def _plain_step(target, batch: _Batch, cache, sampling: Sampling, verify: _Stopwatch, layers=()) -> _Verified:
+    """One token per active row: plain decoding's step, and the speculative decoder's when it
+    drafts nothing (an adaptive policy's k = 0), so that such a step costs what plain decoding's does."""
+    ids = batch.inputs(cache, 1, target.device)
+    ids[batch.slots, 0] = torch.tensor([batch.last[r] for r in batch.rows], device=target.device)
+    past = list(cache.lengths)
+    out = verify(target, ids, layers=list(layers), cache=cache, logits="last")
+    tokens = verify(_next_tokens, out.logits[batch.slots, -1], sampling)
+    batch.keep(cache, past, [1] * len(batch.rows))
+    zeros = [0] * len(tokens)
+    hidden = [{i: h[s : s + 1] for i, h in out.hidden.items()} for s in batch.slots]
+    return _Verified([[t] for t in tokens], zeros, zeros, zeros, hidden)
 
 
 class SpeculativeDecoder:
-    """``SpeculativeDecoder(target, proposer).generate(prompt_ids, max_new_tokens, shape=Chain(5), ...)``."""
+    """``SpeculativeDecoder(target, proposer).generate(prompt_ids, max_new_tokens, shape=Chain(5), ...)``:
+    one sequence, the batch of one of :class:`BatchedSpeculativeDecoder`."""
+
+    def __init__(self, target, proposer: Proposer, backend: str = "auto"):
+        self.batched = BatchedSpeculativeDecoder(target, proposer, backend)
+
+    def generate(self, prompt_ids, max_new_tokens: int, shape: Shape = Chain(5), temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None, on_step=None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, drafting ``shape`` each
+        step. ``on_step(tokens)``, when given, is called with each batch of newly emitted tokens
+        (streaming)."""
+        return _alone(self.batched.generate(
+            [prompt_ids], max_new_tokens, shape, temperature, top_k, top_p, seed, eos_token_id,
+            on_step=on_step and (lambda row, tokens: on_step(tokens)),
+        ))
+
+
+class BatchedSpeculativeDecoder:
+    """``BatchedSpeculativeDecoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``.
+
+    ``policy`` (chain and block shapes): an object with ``choose(batch_size) -> k`` (0 = a plain
+    step, the same step as plain decoding's) and ``observe(batch_size, k, accepted,
+    draft_seconds, verify_seconds)``, asked at every step (``draft_seconds`` is None when the
+    drafting included catching up on earlier plain steps); without one every step drafts
+    ``shape.k``."""
 
     def __init__(self, target, proposer: Proposer, backend: str = "auto"):
         self.target, self.proposer, self.backend = target, proposer, backend
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids,
-        max_new_tokens: int,
-        shape: Shape = Chain(5),
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        eos_token_id=None,
-        on_step=None,
-    ) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, drafting ``shape`` each
-        step. ``on_step(tokens)``, when given, is called with each batch of newly emitted tokens
+    def generate(self, prompt_ids, max_new_tokens: int, shape: Shape = Chain(3), temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None, policy=None,
+                 on_step=None) -> BatchResult:
+        """``on_step(row, tokens)``, when given, is called with each row's newly emitted tokens
         (streaming)."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p)
         check_shape(shape, self.proposer.shapes, self.proposer.name)
+        chain = isinstance(shape, (Chain, Block))
+        if policy is not None and not chain:
+            raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {shape.method}")
         device = self.target.device
-        step = self._chain_step if isinstance(shape, (Chain, Block)) else self._tree_step
         clock = _Clock(device)
+        draft, verify = _Stopwatch(device), _Stopwatch(device)
         t0 = clock()
-        prompt = _as_prompt(prompt_ids, device)
+        prompts = _prompts(prompt_ids, device)
         sampling = _sampling(device, temperature, top_k, top_p, seed)
-        # Room for the prompt, every emitted token and one step's drafts beyond them.
-        cache = self.target.new_cache(1, prompt.numel() + max_new_tokens + shape.max_nodes + 1)
-        last, hidden = _prefill(self.target, prompt, self.proposer.layers, cache, sampling)
+        room = max(p.numel() for p in prompts) + max_new_tokens + shape.max_nodes + 1
+        cache = self.target.new_cache(len(prompts), room, ragged=True)
+        slots = _cache_slots(prompts)
+        first, hidden = _prefill(self.target, prompts, slots, self.proposer.layers, cache, sampling, verify)
+        batch = _Batch(slots, max_new_tokens, _eos_set(eos_token_id), on_step)
+        per_row = {name: [[] for _ in prompts] for name in ("accept_lengths", "num_drafted", "draft_depths")}
+        going = batch.emit([[t] for t in first])
+        batch.compact(cache)
+        # a batch of one drafts with the proposer itself (its state stays readable after decoding)
+        proposers = RowProposers([self.proposer]) if len(prompts) == 1 else self.proposer.batched(len(going), shape)
+        proposers.configure(sampling)
+        for b, r in enumerate(going):
+            proposers.start(b, prompts[r], hidden[r], first[r])
+        # the drafter's pass over the prompts belongs to the prefill, as in a serving engine
         t1 = clock()
-        res = GenerationResult([], prefill_time=t1 - t0)
-        proposer = _TimedProposer(self.proposer, clock)
-        em = _Emitter(max_new_tokens, _eos_set(eos_token_id), on_step)
-        done = em.emit([last])
-        if not done:
-            self.proposer.configure(sampling)
-            proposer.start(prompt, hidden, last)
-        while not done:
-            s = step(proposer, last, shape, cache, sampling)
-            res.accept_lengths.append(s.accepted)
-            res.num_drafted.append(s.drafted)
-            res.draft_depths.append(s.depth)
-            done = em.emit(s.tokens)
-            last = s.tokens[-1]
-            if not done:
-                proposer.advance(torch.tensor(s.tokens, dtype=torch.long, device=device), s.hidden)
+        verify.seconds = 0.0
+        # What each row kept since its proposer was last advanced: advancing waits until the next
+        # draft, so plain steps (k = 0) cost no drafter work and the catch-up is one call per row.
+        pending: list[list[tuple[list[int], dict]]] = [[] for _ in going]
+        steps, asked = 0, []
+        while batch.rows:
+            step_shape = shape
+            if policy is not None:
+                k = policy.choose(len(batch.rows))
+                step_shape = type(shape)(k) if k > 0 else None
+                asked.append(k)
+            drafted_before, verified_before = draft.seconds, verify.seconds
+            # drafting after plain steps first catches up on them: not what k positions cost
+            catching_up = any(len(p) > 1 for p in pending)
+            drafts = None
+            if step_shape is not None:
+                draft(self._flush, proposers, pending)
+                drafts = draft(proposers.propose, step_shape)
+            if drafts is None:
+                v = _plain_step(self.target, batch, cache, sampling, verify, self.proposer.layers)
+            else:
+                step = self._chain_step if chain else self._tree_step
+                v = step(batch, drafts, step_shape, cache, sampling, verify)
+            for r, n, d, depth in zip(batch.rows, v.accepted, v.drafted, v.depth):
+                per_row["accept_lengths"][r].append(n)
+                per_row["num_drafted"][r].append(d)
+                per_row["draft_depths"][r].append(depth)
+            if policy is not None:
+                drafting = None if catching_up else draft.seconds - drafted_before
+                policy.observe(len(batch.rows), asked[-1], v.accepted, drafting, verify.seconds - verified_before)
+            rows_before = len(batch.rows)
+            going = batch.emit(v.tokens)
+            steps += 1
+            if len(going) < rows_before:
+                proposers.select(going)
+                batch.compact(cache)
+            pending = [pending[p] + [(v.tokens[p], v.hidden[p])] for p in going]
         t2 = clock()
-        res.tokens, res.stop_reason, res.num_steps = em.tokens, em.stop_reason, len(res.accept_lengths)
-        res.draft_time = proposer.seconds
-        res.verify_time = t2 - t1 - proposer.seconds
-        res.total_time = t2 - t0
-        return res
-
-    # ------------------------------------------------------------------ one chain (or block) step
-    def _chain_step(self, proposer, last: int, shape: Chain | Block, cache, sampling: Sampling) -> _Step:
-        drafts, draft_probs = checked_chain(proposer.propose(shape), shape, self.target, self.proposer.name)
-        past = cache.length
-        inputs = torch.cat([drafts.new_tensor([last]), drafts])[None]
-        out = self.target(inputs, layers=list(proposer.layers), cache=cache, logits="all")
-        tokens, n = accept_chain(drafts, out.logits[0], sampling, draft_probs, self.backend)
-        cache.crop(past + n + 1)  # keep the last token and the accepted drafts
-        kept = {i: h[:, : n + 1] for i, h in out.hidden.items()}
-        return _Step(tokens, n, drafts.numel(), drafts.numel(), kept)
-
-
-    # ------------------------------------------------------------------ one tree step
-    def _tree_step(self, proposer, last: int, shape: Shape, cache, sampling: Sampling) -> _Step:
-        tree = checked_tree(proposer.propose(shape), shape, self.target, self.proposer.name)
-        past = cache.length
-        vi = tree_verify_inputs(last, tree)
-        out = self.target(
-            vi.tokens[None],
-            layers=list(proposer.layers),
-            cache=cache,
-            position_ids=vi.position_ids(past),
-            attn_mask=vi.attn_mask(past),
-            logits="all",
+        per_row["num_steps"] = [len(a) for a in per_row["accept_lengths"]]
+        return BatchResult(
+            _results(batch, per_row), prefill_time=t1 - t0, draft_time=draft.seconds, verify_time=verify.seconds,
+            other_time=t2 - t1 - draft.seconds - verify.seconds, total_time=t2 - t0, num_steps=steps,
+            draft_lengths=asked,
         )
-        path, tokens, n = accept_tree(vi.tokens, vi.parents, out.logits[0], sampling, self.backend)
-        cache.keep(past, accepted_slots(past, path, n))  # keep the root and the accepted path
-        kept = {i: h[:, path] for i, h in out.hidden.items()}
-        return _Step(tokens, n, tree.tokens.numel(), vi.max_depth, kept)
+
+    def _flush(self, proposers, pending) -> None:
+        """Advance every row's proposer by what it kept since the last draft (several steps'
+        tokens and hidden states concatenated read as one longer accepted run)."""
+        rows = [b for b, steps in enumerate(pending) if steps]
+        if not rows:
+            return
+        device = self.target.device
+        tokens = [torch.tensor([t for toks, _ in pending[b] for t in toks], dtype=torch.long, device=device) for b in rows]
+        hidden = [{i: torch.cat([h[i] for _, h in pending[b]], dim=1) for i in pending[b][0][1]} for b in rows]
+        proposers.advance(tokens, hidden, rows)
+        for b in rows:
+            pending[b].clear()
+
+    # ------------------------------------------------------------------ chains (and blocks)
+    def _chain_step(self, batch, drafts, shape, cache, sampling, verify) -> _Verified:
+        device = self.target.device
+        ids, probs = map(list, zip(*(checked_chain(d, shape, self.target, self.proposer.name) for d in drafts)))
+        inputs = batch.inputs(cache, 1 + max(t.numel() for t in ids), device)
+        for b, (s, t) in enumerate(zip(batch.slots, ids)):
+            inputs[s, 0] = batch.last[batch.rows[b]]
+            inputs[s, 1 : 1 + t.numel()] = t
+        past = list(cache.lengths)
+        out = verify(self.target, inputs, layers=list(self.proposer.layers), cache=cache, logits="all")
+        tokens, accepted = verify(accept_chains, ids, out.logits[batch.slots], sampling, probs, self.backend)
+        batch.keep(cache, past, [n + 1 for n in accepted])  # the last token and the accepted drafts
+        kept = [{i: h[s : s + 1, : n + 1] for i, h in out.hidden.items()} for s, n in zip(batch.slots, accepted)]
+        drafted = [t.numel() for t in ids]
+        return _Verified(tokens, accepted, drafted, drafted, kept)
+
+    # ------------------------------------------------------------------ trees
+    def _tree_step(self, batch, trees: list[DraftTree], shape, cache, sampling, verify) -> _Verified:
+        device = self.target.device
+        checked = [checked_tree(t, shape, self.target, self.proposer.name) for t in trees]
+        N = 1 + max(t.tokens.numel() for t in checked)
+        tokens = batch.inputs(cache, N, device)
+        parents = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
+        depth = torch.zeros_like(tokens)
+        mask = torch.eye(N, dtype=torch.bool).repeat(cache.batch_size, 1, 1)  # padding nodes see only themselves
+        for b, (s, t) in enumerate(zip(batch.slots, checked)):
+            n = t.tokens.numel() + 1
+            tokens[s, 0] = batch.last[batch.rows[b]]
+            tokens[s, 1:n], parents[s, 1:n], depth[s, 1:n] = t.tokens, t.parents, t.depth
+            mask[s, :n, :n] = ancestor_mask(parents[s, :n].cpu())
+        past = list(cache.lengths)
+        out = verify(self.target, tokens, layers=list(self.proposer.layers), cache=cache,
+                     position_ids=depth, attn_mask=mask.to(device), logits="all")
+        slots = batch.slots
+        path, emitted, accepted = verify(accept_trees, tokens[slots], parents[slots], out.logits[slots], sampling, self.backend)
+        paths = [path[b, : n + 1] for b, n in enumerate(accepted)]
+        batch.keep(cache, past, [0] * len(slots))  # idle rows to 0; active rows to their past, then their path
+        cache.keep([past[s] for s in slots], [past[s] + x for s, x in zip(slots, paths)], slots)  # the root and the accepted path
+        kept = [{i: h[s : s + 1, x] for i, h in out.hidden.items()} for s, x in zip(slots, paths)]
+        return _Verified(emitted, accepted, [t.tokens.numel() for t in checked], depth[slots].max(1).values.tolist(), kept)

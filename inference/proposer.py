@@ -361,7 +361,7 @@ class Proposer:
 
     def batched(self, n: int, shape: Shape) -> "RowProposers":
         """The proposer of ``n`` sequences decoded together with drafts of ``shape``'s kind
-        (:mod:`draftlab.inference.batch`). Default: one fork per row, drafting row after row; a
+        (:mod:`draftlab.inference.decoder`). Default: one fork per row, drafting row after row; a
         family may return its own :class:`RowProposers` subclass that drafts every row at once."""
         return RowProposers([self.fork() for _ in range(n)])
 

@@ -1,6 +1,6 @@
-"""Draft-tree utilities: turn a :class:`DraftTree` into the inputs of one tree-verify forward
-(tokens, ancestor-only attention, depth positions) and map the verifier's accepted path back
-to KV-cache slots. Dynamic and static trees (``proposer.DynamicTree`` / ``StaticTree``) are
+"""Draft-tree utilities: check a :class:`DraftTree` and build the ancestor-only attention of its
+tree-verify forward (the decoder lays out tokens, depth positions and the kept path's KV-cache
+slots, :mod:`draftlab.inference.decoder`). Dynamic and static trees (``proposer.DynamicTree`` / ``StaticTree``) are
 drafted as the same :class:`DraftTree`, so they share one verify path.
 
 Node numbering everywhere: node 0 is the root (the last verified token, not yet in the KV
@@ -8,8 +8,6 @@ cache), draft i of the tree is node i + 1, and a parent always precedes its chil
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -56,43 +54,3 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         mask[rows[live], cur[live]] = True
         cur = torch.where(live, parents[cur.clamp(min=0)], cur)
     return mask
-
-
-@dataclass
-class TreeVerifyInputs:
-    """One tree-verify forward, root included (N + 1 nodes)."""
-
-    tokens: torch.Tensor  # Long[N+1]: root token, then the drafts
-    parents: torch.Tensor  # Long[N+1]: -1 for the root
-    depth: torch.Tensor  # Long[N+1]: 0 for the root
-    mask: torch.Tensor  # Bool[N+1, N+1] ancestor-only attention among the new tokens
-
-    @property
-    def max_depth(self) -> int:
-        return int(self.depth.max())
-
-    def attn_mask(self, past: int) -> torch.Tensor:
-        """Bool[1, N+1, past+N+1] for ``Target.forward``: the whole cached prefix, then the tree."""
-        n = self.tokens.numel()
-        prefix = torch.ones(n, past, dtype=torch.bool, device=self.mask.device)
-        return torch.cat([prefix, self.mask], dim=1)[None]
-
-    def position_ids(self, past: int) -> torch.Tensor:
-        """Long[1, N+1]: cache length + depth (the root sits at position ``past``)."""
-        return (past + self.depth)[None]
-
-
-def tree_verify_inputs(root_token: int, tree: DraftTree) -> TreeVerifyInputs:
-    device = tree.tokens.device
-    tokens = torch.cat([torch.tensor([root_token], dtype=torch.long, device=device), tree.tokens.long()])
-    parents = torch.cat([torch.tensor([-1], dtype=torch.long, device=device), tree.parents.long()])
-    depth = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depth.long()])
-    # The mask walk loops once per level: do it on the host (tens of nodes) and copy once.
-    mask = ancestor_mask(parents.cpu()).to(device)
-    return TreeVerifyInputs(tokens, parents, depth, mask)
-
-
-def accepted_slots(start: int, path: torch.Tensor, num_accepted: int) -> torch.Tensor:
-    """Absolute KV-cache slots of the kept path (root + ``num_accepted`` nodes): the tree's node
-    n was written at slot ``start + n``; ascending because a parent precedes its children."""
-    return start + path[: num_accepted + 1].long()

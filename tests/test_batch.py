@@ -14,9 +14,8 @@ import torch
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
-from draftlab.inference.batch import BatchedSpeculativeDecoder, generate_plain_batch
 from draftlab.inference.batch_eval import evaluate_batches, parse_batch_sizes
-from draftlab.inference.decoder import generate_plain
+from draftlab.inference.decoder import BatchedSpeculativeDecoder, _cache_slots, generate_plain, generate_plain_batch
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.prompts import EvalPrompt
 from draftlab.inference.proposer import PROPOSERS, Block, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
@@ -99,9 +98,25 @@ def _oracle(target, prompts, refs, **kw):
 
 
 # ---------------------------------------------------------------------- the per-row cache
-def test_ragged_cache_equals_each_row_alone(tiny_target_dirs):
+def test_attention_groups_split_where_it_pays():
+    from draftlab.models.target import GROUP_COST_SLOTS, attention_groups
+
+    assert attention_groups([60, 61, 70, 2600]) == [(0, 3, 70), (3, 4, 2600)]
+    assert attention_groups([60, 2600, 61]) == [(0, 1, 60), (1, 2, 2600), (2, 3, 61)]
+    assert attention_groups([100, 120, 130]) == [(0, 3, 130)]  # a second call costs more than 40 slots
+    spans = [5, 900, 40, 41, 3000, 7]
+    groups = attention_groups(spans)
+    assert [g[:2] for g in groups] == sorted(g[:2] for g in groups) and groups[0][0] == 0 and groups[-1][1] == len(spans)
+    cost = sum((hi - lo) * span + GROUP_COST_SLOTS for lo, hi, span in groups)
+    assert cost <= len(spans) * max(spans) + GROUP_COST_SLOTS  # never worse than one padded call
+
+
+@pytest.mark.parametrize("call_cost", [512, 0], ids=["one-group", "row-by-row"])
+def test_ragged_cache_equals_each_row_alone(tiny_target_dirs, call_cost, monkeypatch):
+    from draftlab.models import target as target_module
     from draftlab.models.target import Target
 
+    monkeypatch.setattr(target_module, "GROUP_COST_SLOTS", call_cost)  # 0: every row attends in its own call
     target = Target.load(str(tiny_target_dirs["qwen3"]))
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(5, 300, (n,), generator=g) for n in (7, 3, 11)]
@@ -211,24 +226,65 @@ def _cost(verify_per_token):
 
 def test_adaptive_policy_follows_cost_and_acceptance():
     # verifying extra tokens is nearly free and drafts are always accepted: draft the most
-    cheap = AdaptiveDraftLength(_cost(0.01), max_k=3, warmup_steps=1)
+    cheap = AdaptiveDraftLength(_cost(0.01), max_k=3)
     cheap.observe(1, 3, [3] * 20, draft_seconds=0.0)
     assert cheap.choose(1) == 3
-    # every extra verified token costs as much as a plain step and drafts are rejected: plain steps,
-    # with a probe of one more position every probe_every steps
-    dear = AdaptiveDraftLength(_cost(1.0), max_k=3, warmup_steps=1, probe_every=4)
-    dear.observe(1, 3, [0] * 20, draft_seconds=0.0)
-    chosen = [dear.choose(1) for _ in range(8) if not dear.observe(1, 0, [0], 0.0)]
-    assert chosen.count(0) == 6 and chosen.count(1) == 2
+    # a verified token costs as much as a plain step: no acceptance could pay, so no draft and no probe
+    dear = AdaptiveDraftLength(_cost(1.0), max_k=3)
+    assert [dear.choose(1) for _ in range(5)] == [0] * 5
     # alpha with a Laplace prior: (accepted + 1) / (reached + 2)
+    dear.observe(1, 3, [0] * 20)
     assert dear.alpha()[0] == pytest.approx(1 / 22)
     # drafting cost counts: the same acceptance with dear drafting chooses shorter drafts
-    slow = AdaptiveDraftLength(_cost(0.01), max_k=3, warmup_steps=1)
+    slow = AdaptiveDraftLength(_cost(0.01), max_k=3)
     slow.observe(1, 3, [1] * 20, draft_seconds=3 * 0.5)
-    fast = AdaptiveDraftLength(_cost(0.01), max_k=3, warmup_steps=1)
+    fast = AdaptiveDraftLength(_cost(0.01), max_k=3)
     fast.observe(1, 3, [1] * 20, draft_seconds=3 * 0.001)
     assert slow.choose(1) < fast.choose(1) == 3
     assert slow.draft_seconds(4, 2) == pytest.approx(1.0)  # measured at B=1, the nearest
+    slow.observe(1, 3, [1] * 20, draft_seconds=None)  # a catch-up after plain steps: not a drafting cost
+    assert slow.drafting[1] == [1.5, 3]
+
+
+def test_adaptive_policy_probes_until_acceptance_is_known():
+    """k = 1 pays when alpha_1 > 0.5 (a verified token costs half a step). Acceptance 0.4 seen on
+    few rows: the optimistic bound still allows > 0.5, so the policy probes k = 1; on many rows
+    it stops probing for good."""
+    policy = AdaptiveDraftLength(_cost(0.5), max_k=1)
+    assert policy.choose(1) == 1  # nothing seen yet: probe
+    policy.observe(1, 1, [1, 1, 0, 0, 0])
+    assert policy.choose(1) == 1
+    policy.observe(1, 1, [1] * 200 + [0] * 300)
+    assert [policy.choose(1) for _ in range(10)] == [0] * 10
+
+
+def test_adaptive_policy_adds_the_measured_context_cost():
+    """Verify steps that cost 1 s more than the start-up model (a long context read by every
+    forward, whatever k) make a draft of alpha 0.45 pay: 1.45 / 2.5 > 1 / 2."""
+    policy = AdaptiveDraftLength(_cost(0.5), max_k=1, confidence=0.0)
+    policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0, verify_seconds=1.5)
+    assert policy.choose(1) == 0
+    for _ in range(30):
+        policy.observe(1, 0, [0], verify_seconds=2.0)
+    assert policy.verify_seconds(1, 0) == pytest.approx(2.0, abs=0.01) and policy.choose(1) == 1
+
+
+def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, prompts, monkeypatch):
+    """k = 0 for every step: the same tokens as plain batched decoding, no draft and no verify kernel."""
+    import draftlab.inference.decoder as decoder_module
+
+    class Never:
+        def choose(self, B):
+            return 0
+
+        def observe(self, *args):
+            pass
+
+    monkeypatch.setattr(decoder_module, "accept_chains", lambda *a, **k: pytest.fail("k = 0 ran the verify kernel"))
+    plain = generate_plain_batch(tiny_llama, prompts, N_NEW)
+    res = BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, N_NEW, Chain(3), policy=Never())
+    assert [r.tokens for r in res.rows] == [r.tokens for r in plain.rows]
+    assert res.draft_time == 0.0 and res.num_steps == plain.num_steps
 
 
 def test_adaptive_decoding_stays_lossless(tiny_llama, prompts, alone):
@@ -359,7 +415,8 @@ def test_finished_rows_idle_then_compacted(tiny_llama, prompts, alone, shape, mo
     else:
         res = BatchedSpeculativeDecoder(tiny_llama, _oracle(tiny_llama, four, refs)).generate(four, N_NEW, shape, eos_token_id=eos)
     assert [r.tokens for r in res.rows] == [alone[0], alone[1][:6], alone[2], alone[1][:6]]
-    assert selects[0] == [0, 2] and len(selects) <= 2  # then possibly [1]: at most log2(4) copies
+    slots = _cache_slots([torch.tensor(p) for p in four])
+    assert selects[0] == sorted([slots[0], slots[2]]) and len(selects) <= 2  # then possibly one more: at most log2(4) copies
 
 
 def test_a_row_finishing_mid_step_leaves_room(tiny_llama, prompts, alone):

@@ -22,7 +22,7 @@ from draftlab.inference.proposer import (
     StaticTree,
     process_logits,
 )
-from draftlab.inference.tree import ancestor_mask, tree_verify_inputs, validate_tree
+from draftlab.inference.tree import ancestor_mask, validate_tree
 from tiny import chi2_pvalue, exact_joint
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens"
@@ -298,18 +298,12 @@ def test_sampling_preserves_target_distribution(tiny_llama, shape, point_mass):
 
 
 # ---------------------------------------------------------------------- tree utilities
-def test_ancestor_mask_and_inputs():
+def test_ancestor_mask():
     parents = torch.tensor([-1, 0, 0, 1, 1, 3])
     m = ancestor_mask(parents)
     expect = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 1, 3, 5}}
     for i, anc in expect.items():
         assert set(m[i].nonzero().flatten().tolist()) == anc
-    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), parents[1:], torch.tensor([1, 1, 2, 2, 3]))
-    vi = tree_verify_inputs(7, tree)
-    assert vi.tokens.tolist() == [7, 10, 11, 12, 13, 14] and vi.max_depth == 3
-    assert vi.position_ids(20).tolist() == [[20, 21, 21, 22, 22, 23]]
-    am = vi.attn_mask(4)
-    assert am.shape == (1, 6, 10) and bool(am[0, :, :4].all()) and torch.equal(am[0, :, 4:], m)
 
 
 def test_validate_tree_rejects_bad_trees():
