@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, Block, ChainDraft, Proposer
+from draftlab.inference.proposer import PROPOSERS, Block, ChainDraft, Proposer, RowProposers
 from draftlab.models.cpu_gemm import decoding_copy
 
 
@@ -64,9 +64,16 @@ class DiffusionProposer(Proposer):
             raise DraftlabError(f"block: k={shape.k} exceeds what this drafter drafts per block (block_size - 1 = {drafter.block_size - 1})")
 
     def propose(self, shape: Block) -> ChainDraft:
+        self.check(shape, self.drafter)
+        return self.draft(self.block_logits()[: shape.k])
+
+    def batched(self, n: int, shape) -> RowProposers:
+        """Every row's block from one drafter forward (:class:`DiffusionRows`)."""
+        return DiffusionRows(self, n)
+
+    def draft(self, logits: torch.Tensor) -> ChainDraft:
+        """The chain drafted from a block's slot logits [k, V_draft]."""
         d = self.drafter
-        self.check(shape, d)
-        logits = self.block_logits()[: shape.k]
         if self.sampling.greedy:
             return ChainDraft(d.to_target_ids(logits.argmax(-1)), None)
         q = self.sampling.probs(logits)  # [k, V_draft]
@@ -74,3 +81,35 @@ class DiffusionProposer(Proposer):
         full = q.new_zeros(q.shape[0], d.vocab_size)
         full[:, d.t2d] = q  # draft ids are the kept target ids in ascending order
         return ChainDraft(d.to_target_ids(draft), full)
+
+
+class DiffusionRows(RowProposers):
+    """The rows of a batch: each keeps its own context K/V; a step drafts every row's block in
+    one drafter forward, the contexts padded to the longest and the padding masked (row by row,
+    a batch of B would run B drafter forwards per step)."""
+
+    def __init__(self, proposer: DiffusionProposer, n: int):
+        super().__init__([proposer.fork() for _ in range(n)])
+        self.proposer = proposer
+
+    @torch.no_grad()
+    def propose(self, shape: Block) -> list[ChainDraft]:
+        d, rows = self.proposer.drafter, self.rows
+        self.proposer.check(shape, d)
+        G, dev = d.block_size, rows[0].kv[0][0].device
+        lengths = [p.length for p in rows]
+        S = max(lengths)
+        kv = []
+        for layer in range(len(rows[0].kv)):
+            k0 = rows[0].kv[layer][0]
+            k = k0.new_zeros(len(rows), k0.shape[1], S, k0.shape[3])
+            v = torch.zeros_like(k)
+            for b, p in enumerate(rows):
+                k[b, :, : p.length], v[b, :, : p.length] = p.kv[layer][0][0], p.kv[layer][1][0]
+            kv.append((k, v))
+        ids = d.block_ids(torch.tensor([p.last for p in rows], device=dev))  # [B, G]
+        positions = torch.tensor(lengths, device=dev)[:, None] + torch.arange(G, device=dev)
+        span = torch.arange(S + G, device=dev)
+        mask = (span < torch.tensor(lengths, device=dev)[:, None]) | (span >= S)  # own context, whole block
+        logits = d.blocks(ids, positions, kv, mask[:, None].expand(-1, G, -1))[:, 1 : 1 + shape.k]
+        return [p.draft(logits[b]) for b, p in enumerate(rows)]

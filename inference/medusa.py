@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, Proposer, StaticTree
+from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, Proposer, RowProposers, StaticTree
 from draftlab.models.cpu_gemm import decoding_copy
 
 
@@ -39,30 +39,35 @@ class MedusaProposer(Proposer):
         self.last = hidden[self.drafter.num_target_layers][:, -1]  # [1, H]
 
     def propose(self, shape: Chain | StaticTree) -> ChainDraft | DraftTree:
+        return self.draft(self.last, shape)[0]
+
+    def batched(self, n: int, shape) -> RowProposers:
+        """Every row's drafts from one pass of each head over all rows' states (:class:`MedusaRows`)."""
+        return MedusaRows(self, n)
+
+    @torch.no_grad()
+    def draft(self, last: torch.Tensor, shape: Chain | StaticTree) -> list[ChainDraft | DraftTree]:
+        """The drafts of rows whose last kept states are ``last`` [n, H]."""
         if isinstance(shape, Chain):
-            return self._chain(shape.k, shape.min_confidence)
-        return self._static_tree(shape)
+            return self._chains(last, shape.k, shape.min_confidence)
+        return self._static_trees(last, shape)
 
-    @torch.no_grad()
-    def _logits(self, head: int) -> torch.Tensor:
-        return self.drafter.head_logits(self.last, head)[0]  # [V_draft]
-
-    @torch.no_grad()
-    def _chain(self, k: int, min_confidence: float) -> ChainDraft:
+    def _chains(self, last: torch.Tensor, k: int, min_confidence: float) -> list[ChainDraft]:
         """Head i's top-1 for the i-th draft, i < min(k, num_heads). With ``min_confidence``,
         stop before the draft at which the product of the heads' top-1 probabilities falls below
         it (the chain's dynamic length, as for EAGLE)."""
-        out, confidence = [], 1.0
-        for i in range(min(k, self.drafter.num_heads)):
-            logits = self._logits(i)
-            top = logits.max(-1)
-            if min_confidence > 0:  # top-1 probability = exp(max logit - logsumexp)
-                confidence *= float((top.values.float() - logits.float().logsumexp(-1)).exp())
-                if confidence < min_confidence:
-                    break
-            out.append(top.indices)
-        tokens = torch.stack(out) if out else torch.zeros(0, dtype=torch.long, device=self.last.device)
-        return ChainDraft(self.drafter.to_target_ids(tokens), None)
+        d = self.drafter
+        heads = min(k, d.num_heads)
+        if heads == 0:
+            return [ChainDraft(torch.zeros(0, dtype=torch.long, device=last.device), None) for _ in range(last.shape[0])]
+        logits = torch.stack([d.head_logits(last, i) for i in range(heads)], dim=1)  # [n, heads, V_draft]
+        top = logits.max(-1)
+        lengths = [heads] * last.shape[0]
+        if min_confidence > 0:  # top-1 probability = exp(max logit - logsumexp)
+            confidence = (top.values.float() - logits.float().logsumexp(-1)).exp().cumprod(-1)  # [n, heads]
+            lengths = (confidence >= min_confidence).cumprod(-1).sum(-1).tolist()
+        tokens = d.to_target_ids(top.indices)
+        return [ChainDraft(tokens[r, :n], None) for r, n in enumerate(lengths)]
 
     @classmethod
     def check(cls, shape, drafter) -> None:
@@ -71,11 +76,22 @@ class MedusaProposer(Proposer):
         if isinstance(shape, StaticTree) and shape.max_rank > drafter.draft_vocab_size:
             raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {drafter.draft_vocab_size}")
 
-    @torch.no_grad()
-    def _static_tree(self, shape: StaticTree) -> DraftTree:
+    def _static_trees(self, last: torch.Tensor, shape: StaticTree) -> list[DraftTree]:
         """Depth d of the tree is head d - 1's guess: a node of rank r holds that head's r-th
         most likely token, whatever its parent (Medusa's Cartesian candidates)."""
         d = self.drafter
         self.check(shape, d)
-        ranked = torch.stack([self._logits(i).topk(shape.max_rank).indices for i in range(shape.max_depth)])
-        return shape.draft(d.to_target_ids(ranked))
+        ranked = torch.stack([d.head_logits(last, i).topk(shape.max_rank).indices for i in range(shape.max_depth)], dim=1)
+        return [shape.draft(d.to_target_ids(r)) for r in ranked]  # ranked: [n, depth, rank]
+
+
+class MedusaRows(RowProposers):
+    """The rows of a batch: each keeps its own last state; a step runs each head once over all
+    rows (row by row, a batch of B would run B times as many small products)."""
+
+    def __init__(self, proposer: MedusaProposer, n: int):
+        super().__init__([proposer.fork() for _ in range(n)])
+        self.proposer = proposer
+
+    def propose(self, shape: Chain | StaticTree) -> list[ChainDraft | DraftTree]:
+        return self.proposer.draft(torch.cat([p.last for p in self.rows]), shape)

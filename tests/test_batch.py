@@ -380,6 +380,67 @@ def test_eagle_chains_drafted_together_equal_row_by_row(tiny_llama, prompts, alo
     assert [r.tokens for r in res.rows] == alone
 
 
+def test_medusa_drafts_all_rows_at_once_as_each_row_alone(tiny_llama, prompts, alone):
+    """MedusaRows runs each head once over every row's state: the same chains (with per-row
+    min_confidence stops) and static trees as the rows drafting one by one."""
+    from draftlab.inference.medusa import MedusaRows
+    from draftlab.inference.proposer import Sampling, StaticTree
+
+    torch.manual_seed(0)
+    cls = DRAFTERS.get("medusa", "algorithm")
+    proposer = PROPOSERS.get("medusa", "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
+    tree = StaticTree(((0,), (1,), (0, 0), (1, 0)))
+    together, by_row = proposer.batched(3, Chain(3)), Proposer.batched(proposer, 3, Chain(3))
+    assert isinstance(together, MedusaRows) and not isinstance(by_row, MedusaRows)
+    layers = list(proposer.layers)
+    for props in (together, by_row):
+        props.configure(Sampling())
+        for b, p in enumerate(prompts):
+            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=layers).hidden, alone[b][0])
+    last = torch.cat([p.last for p in together.rows])
+    first = torch.stack([proposer.drafter.head_logits(last, 0).softmax(-1).max(-1).values]).flatten().sort().values
+    for shape in (Chain(3), Chain(3, float(first[:2].mean())), tree):
+        a, b = together.propose(shape), by_row.propose(shape)
+        assert [d.tokens.tolist() for d in a] == [d.tokens.tolist() for d in b]
+        if isinstance(shape, Chain) and shape.min_confidence:
+            assert len({d.tokens.numel() for d in a}) > 1  # rows stopped on their own
+    for shape in (Chain(3), tree):
+        res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
+        assert [r.tokens for r in res.rows] == alone
+
+
+def test_diffusion_drafts_all_rows_in_one_forward_as_each_row_alone(tiny_llama, prompts, alone):
+    """DiffusionRows pads the rows' contexts into one drafter forward: the same blocks as the rows
+    drafting one by one, also after rows kept different counts."""
+    from draftlab.inference.diffusion import DiffusionRows
+    from draftlab.inference.proposer import Sampling
+
+    torch.manual_seed(0)
+    cls = DRAFTERS.get("diffusion", "algorithm")
+    proposer = PROPOSERS.get("diffusion", "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
+    shape = Block(3)
+    together, by_row = proposer.batched(3, shape), Proposer.batched(proposer, 3, shape)
+    assert isinstance(together, DiffusionRows) and not isinstance(by_row, DiffusionRows)
+    layers = list(proposer.layers)
+    for props in (together, by_row):
+        props.configure(Sampling())
+        for b, p in enumerate(prompts):
+            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=layers).hidden, alone[b][0])
+    for step in range(2):
+        a, b = together.propose(shape), by_row.propose(shape)
+        assert [d.tokens.tolist() for d in a] == [d.tokens.tolist() for d in b]
+        if step == 0:
+            acc, hid = [], []
+            for r, n in enumerate([1, 3, 2]):
+                seq = prompts[r] + alone[r][: n + 1]
+                acc.append(torch.tensor(alone[r][1 : n + 1]))
+                hid.append({i: h[:, len(prompts[r]) : len(prompts[r]) + n] for i, h in tiny_llama(torch.tensor([seq]), layers=layers).hidden.items()})
+            for props in (together, by_row):
+                props.advance(acc, hid, [0, 1, 2])
+    res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
+    assert [r.tokens for r in res.rows] == alone
+
+
 def test_reports_draw_alpha1_bars_and_speedup_by_batch(tmp_path, monkeypatch):
     """One draft position: alpha_1 per category as bars; a batches section: its own PNG, both
     linked from the Markdown."""
