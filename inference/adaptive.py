@@ -5,11 +5,12 @@ inputs plus the drafting, and yields on average E(k) = 1 + sum_{j<=k} prod_{i<=j
 per row. The policy picks the k that maximises B * E(k) / cost(B, k):
 
 - ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up at a short
-  context (:class:`VerifyCost`), plus what decoding adds to it at batch size B (the real
-  context: longer prompts make every forward read more of the KV cache, a cost that does not
-  grow with k; a running mean of measured minus modelled seconds), plus the drafting's
-  (seconds per draft position at that batch size, measured while decoding: drafting cost
-  differs by family, and by whether it drafts row by row or all rows at once);
+  context (:class:`VerifyCost`); plus what a real step adds to that at batch size B, kept apart
+  for plain and for drafting steps (a running mean of measured minus modelled seconds: the real
+  context, read by every forward whatever k; a drafting step's bookkeeping, padding and accept
+  kernel, which cost a batch of 16 rows a quarter of its step time on the AMD EPYC); plus the
+  drafting's (seconds per draft position at that batch size, measured while decoding: drafting
+  cost differs by family, and by whether it drafts row by row or all rows at once);
 - ``alpha_i``: the acceptance observed so far at draft position i, with a Laplace prior
   ((accepted + 1) / (reached + 2)).
 
@@ -17,8 +18,9 @@ Exploration is optimistic: when the k chosen from the estimates would change und
 confidence bounds of alpha (mean + ``confidence`` standard errors), the policy drafts one more
 position than the estimates say, so an estimate it stopped feeding cannot freeze, and stops
 probing once enough rows have been seen that even the optimistic alpha would not pay. A batch of
-B rows teaches B observations per step, so probing ends sooner where it costs most. Unknown
-drafting cost counts as free until measured.
+B rows teaches B observations per step, so probing ends sooner where it costs most. What has
+not been measured yet (drafting cost, the added step cost of a kind of step) counts as free, so
+the policy tries it once and learns.
 
 Why: with more rows the verify forward turns from weight-bound to compute-bound, so a draft
 that pays at batch 1 can cost more than it yields at batch 16 (SpecDecodeBench: EAGLE's
@@ -79,7 +81,7 @@ class VerifyCost:
 
 class AdaptiveDraftLength:
     """The decoding policy of :class:`~draftlab.inference.decoder.BatchedSpeculativeDecoder`:
-    ``choose(B) -> k`` before a step, ``observe(B, k, accepted, draft_seconds, verify_seconds)``
+    ``choose(B) -> k`` before a step, ``observe(B, k, accepted, draft_seconds, step_seconds)``
     after it. One policy may serve many batches (an evaluation keeps one across batch sizes:
     acceptance does not depend on the batch size, and a server would not forget it either)."""
 
@@ -91,7 +93,9 @@ class AdaptiveDraftLength:
         # batch size -> [seconds, draft positions] of the steps that drafted: per-row proposers
         # cost B times a row's drafting, batched ones (EagleChains) about one row's
         self.drafting: dict[int, list[float]] = {}
-        self.extra: dict[int, float] = {}  # batch size -> running mean of measured - modelled verify seconds
+        # plain (False) or drafting (True) step -> batch size -> running mean of the step's
+        # measured seconds (drafting apart) minus the start-up model's
+        self.added: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self.chosen: list[int] = []
 
     def alpha(self) -> list[float]:
@@ -121,14 +125,16 @@ class AdaptiveDraftLength:
         seconds, positions = measured
         return k * seconds / positions
 
-    def verify_seconds(self, B: int, k: int) -> float:
-        return self.cost(B, k) + (self._nearest(self.extra, B) or 0.0)
+    def target_seconds(self, B: int, k: int) -> float:
+        """A step's seconds apart from drafting: the start-up model plus what steps of its kind
+        added at B (else at the nearest batch size measured)."""
+        return self.cost(B, k) + (self._nearest(self.added[k > 0], B) or 0.0)
 
-    def step_seconds(self, B: int, k: int) -> float:
-        return self.verify_seconds(B, k) + self.draft_seconds(B, k)
+    def predicted_seconds(self, B: int, k: int) -> float:
+        return self.target_seconds(B, k) + self.draft_seconds(B, k)
 
     def best(self, B: int, alpha: list[float] | None = None) -> int:
-        return max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k, alpha) / self.step_seconds(B, k))
+        return max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k, alpha) / self.predicted_seconds(B, k))
 
     def choose(self, B: int) -> int:
         k = self.best(B)
@@ -138,14 +144,13 @@ class AdaptiveDraftLength:
         return k
 
     def observe(self, B: int, k: int, accepted: list[int], draft_seconds: float | None = None,
-                verify_seconds: float | None = None) -> None:
+                step_seconds: float | None = None) -> None:
         """After a step of B rows that drafted k: each row's accepted count, the drafting's
-        seconds (None: not representative, e.g. a catch-up after plain steps) and the verify
-        forward's."""
-        if verify_seconds is not None:
-            gap = verify_seconds - self.cost(B, k)
-            old = self.extra.get(B)
-            self.extra[B] = gap if old is None else old + self.smoothing * (gap - old)
+        seconds (None: not representative, e.g. a catch-up after plain steps) and the rest of
+        the step's (the target's forward, the accept kernel, the bookkeeping)."""
+        if step_seconds is not None:
+            gap, added = step_seconds - self.cost(B, k), self.added[k > 0]
+            added[B] = gap if B not in added else added[B] + self.smoothing * (gap - added[B])
         if k == 0:
             return
         for n in accepted:

@@ -389,9 +389,9 @@ class BatchedSpeculativeDecoder:
 
     ``policy`` (chain and block shapes): an object with ``choose(batch_size) -> k`` (0 = a plain
     step, the same step as plain decoding's) and ``observe(batch_size, k, accepted,
-    draft_seconds, verify_seconds)``, asked at every step (``draft_seconds`` is None when the
-    drafting included catching up on earlier plain steps); without one every step drafts
-    ``shape.k``."""
+    draft_seconds, step_seconds)``, asked at every step (``draft_seconds`` is None when the
+    drafting included catching up on earlier plain steps; ``step_seconds``: the rest of the
+    step); without one every step drafts ``shape.k``."""
 
     def __init__(self, target, proposer: Proposer, backend: str = "auto"):
         self.target, self.proposer, self.backend = target, proposer, backend
@@ -434,12 +434,12 @@ class BatchedSpeculativeDecoder:
         pending: list[list[tuple[list[int], dict]]] = [[] for _ in going]
         steps, asked = 0, []
         while batch.rows:
+            step_start, drafted_before = clock(), draft.seconds
             step_shape = shape
             if policy is not None:
                 k = policy.choose(len(batch.rows))
                 step_shape = type(shape)(k) if k > 0 else None
                 asked.append(k)
-            drafted_before, verified_before = draft.seconds, verify.seconds
             # drafting after plain steps first catches up on them: not what k positions cost
             catching_up = any(len(p) > 1 for p in pending)
             drafts = None
@@ -456,8 +456,9 @@ class BatchedSpeculativeDecoder:
                 per_row["num_drafted"][r].append(d)
                 per_row["draft_depths"][r].append(depth)
             if policy is not None:
-                drafting = None if catching_up else draft.seconds - drafted_before
-                policy.observe(len(batch.rows), asked[-1], v.accepted, drafting, verify.seconds - verified_before)
+                drafting = draft.seconds - drafted_before
+                policy.observe(len(batch.rows), asked[-1], v.accepted, None if catching_up else drafting,
+                               clock() - step_start - drafting)
             rows_before = len(batch.rows)
             going = batch.emit(v.tokens)
             steps += 1

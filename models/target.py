@@ -183,9 +183,17 @@ class RaggedKVCache:
         return KVCache(self.k[:, b : b + 1], self.v[:, b : b + 1])
 
     def select(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (finished sequences leave the batch)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-        self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
+        """Keep only ``rows`` (ascending; finished sequences leave the batch): each kept row moves
+        down in place, its used slots only. Why: a copy of the whole cache (sized by the longest
+        prompt) took 0.48 s for 16 rows of a 2,544-token prompt on the AMD EPYC."""
+        if any(a >= b for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"KV cache: rows to keep must be ascending, got {rows}")
+        for dst, src in enumerate(rows):  # dst <= src: a row is read before anything overwrites it
+            if src != dst:
+                n = self.lengths[src]
+                self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+                self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.k, self.v = self.k[:, : len(rows)], self.v[:, : len(rows)]
         self.lengths = [self.lengths[r] for r in rows]
 
     def begin(self, T: int, offsets: torch.Tensor | None, new_mask: torch.Tensor | None):

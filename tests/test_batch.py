@@ -134,8 +134,14 @@ def test_ragged_cache_equals_each_row_alone(tiny_target_dirs, call_cost, monkeyp
         torch.testing.assert_close(out.logits[b, :n], ref.logits[0, :n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out.hidden[2][b, :n], ref.hidden[2][0, :n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out2.logits[b], ref.logits[0, n:], atol=1e-4, rtol=1e-4)
-    cache.select([2, 0])
-    assert cache.lengths == [13, 9] and cache.k.shape[1] == 2
+    cache.select([0, 2])  # row 2 moves down to row 1, its used slots only
+    assert cache.lengths == [9, 13] and cache.k.shape[1] == 2
+    out3 = target(new[[0, 2], :1], cache=cache, logits="all")
+    for b, r in enumerate([0, 2]):
+        ref = target(torch.cat([rows[r], new[r], new[r, :1]])[None], logits="all")
+        torch.testing.assert_close(out3.logits[b, 0], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="ascending"):
+        cache.select([1, 0])
 
 
 # ---------------------------------------------------------------------- greedy
@@ -258,15 +264,22 @@ def test_adaptive_policy_probes_until_acceptance_is_known():
     assert [policy.choose(1) for _ in range(10)] == [0] * 10
 
 
-def test_adaptive_policy_adds_the_measured_context_cost():
-    """Verify steps that cost 1 s more than the start-up model (a long context read by every
-    forward, whatever k) make a draft of alpha 0.45 pay: 1.45 / 2.5 > 1 / 2."""
+def test_adaptive_policy_adds_what_steps_measured_beyond_the_model():
+    """Steps that cost 1 s more than the start-up model, plain and drafting alike (a long
+    context read by every forward, whatever k), make a draft of alpha 0.45 pay: 1.45 / 2.5 >
+    1 / 2. Drafting steps that cost more than the model on their own (bookkeeping) make it
+    not pay again."""
     policy = AdaptiveDraftLength(_cost(0.5), max_k=1, confidence=0.0)
-    policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0, verify_seconds=1.5)
+    policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0, step_seconds=1.5)
+    policy.observe(1, 0, [0], step_seconds=1.0)
     assert policy.choose(1) == 0
     for _ in range(30):
-        policy.observe(1, 0, [0], verify_seconds=2.0)
-    assert policy.verify_seconds(1, 0) == pytest.approx(2.0, abs=0.01) and policy.choose(1) == 1
+        policy.observe(1, 0, [0], step_seconds=2.0)
+        policy.observe(1, 1, [], step_seconds=2.5)
+    assert policy.target_seconds(1, 0) == pytest.approx(2.0, abs=0.01) and policy.choose(1) == 1
+    for _ in range(30):
+        policy.observe(1, 1, [], step_seconds=3.5)
+    assert policy.target_seconds(1, 1) == pytest.approx(3.5, abs=0.01) and policy.choose(1) == 0
 
 
 def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, prompts, monkeypatch):
