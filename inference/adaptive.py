@@ -5,10 +5,10 @@ inputs plus the drafting, and yields on average E(k) = 1 + sum_{j<=k} prod_{i<=j
 per row. The policy picks the k that maximises B * E(k) / cost(B, k):
 
 - ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up at a short
-  context (:class:`VerifyCost`); plus what a real step adds to that at batch size B, kept apart
-  for plain and for drafting steps (a running mean of measured minus modelled seconds: the real
-  context, read by every forward whatever k; a drafting step's bookkeeping, padding and accept
-  kernel, which cost a batch of 16 rows a quarter of its step time on the AMD EPYC); plus the
+  context (:class:`VerifyCost`); plus what a real step adds to that, kept apart for plain and
+  for drafting steps and for batch sizes 1, 2, 3-4, 5-8, ... (the least of the last 8 measured
+  minus modelled seconds: the real context, read by every forward whatever k; a drafting step's
+  bookkeeping, padding and accept kernel); plus the
   drafting's (seconds per draft position at that batch size, measured while decoding: drafting
   cost differs by family, and by whether it drafts row by row or all rows at once);
 - ``alpha_i``: the acceptance observed so far at draft position i, with a Laplace prior
@@ -19,8 +19,10 @@ confidence bounds of alpha (mean + ``confidence`` standard errors), the policy d
 position than the estimates say, so an estimate it stopped feeding cannot freeze, and stops
 probing once enough rows have been seen that even the optimistic alpha would not pay. A batch of
 B rows teaches B observations per step, so probing ends sooner where it costs most. What has
-not been measured yet (drafting cost, the added step cost of a kind of step) counts as free, so
-the policy tries it once and learns.
+not been measured yet (drafting cost; what a plain or a drafting step adds at this range of
+batch sizes) counts as free, so the policy tries it and learns; the least of recent
+measurements, not their mean, so that one step slowed by other work on the machine cannot keep
+the policy from a kind of step for good.
 
 Why: with more rows the verify forward turns from weight-bound to compute-bound, so a draft
 that pays at batch 1 can cost more than it yields at batch 16 (SpecDecodeBench: EAGLE's
@@ -85,17 +87,17 @@ class AdaptiveDraftLength:
     after it. One policy may serve many batches (an evaluation keeps one across batch sizes:
     acceptance does not depend on the batch size, and a server would not forget it either)."""
 
-    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, smoothing: float = 0.2):
+    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, window: int = 8):
         self.cost, self.max_k = cost, max_k
-        self.confidence, self.smoothing = confidence, smoothing
+        self.confidence, self.window = confidence, window
         self.reached = [0] * (max_k + 1)  # index j: rows whose draft reached position j
         self.accepted = [0] * (max_k + 1)
         # batch size -> [seconds, draft positions] of the steps that drafted: per-row proposers
         # cost B times a row's drafting, batched ones (EagleChains) about one row's
         self.drafting: dict[int, list[float]] = {}
-        # plain (False) or drafting (True) step -> batch size -> running mean of the step's
-        # measured seconds (drafting apart) minus the start-up model's
-        self.added: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        # (drafting step?, batch-size range) -> the last ``window`` steps' measured seconds
+        # (drafting apart) minus the start-up model's
+        self.added: dict[tuple[bool, int], list[float]] = {}
         self.chosen: list[int] = []
 
     def alpha(self) -> list[float]:
@@ -125,10 +127,15 @@ class AdaptiveDraftLength:
         seconds, positions = measured
         return k * seconds / positions
 
+    @staticmethod
+    def _range(B: int) -> int:
+        """Batch sizes 1, 2, 3-4, 5-8, ... share what they measure (the smallest power of 2 >= B)."""
+        return 1 << (B - 1).bit_length()
+
     def target_seconds(self, B: int, k: int) -> float:
-        """A step's seconds apart from drafting: the start-up model plus what steps of its kind
-        added at B (else at the nearest batch size measured)."""
-        return self.cost(B, k) + (self._nearest(self.added[k > 0], B) or 0.0)
+        """A step's seconds apart from drafting: the start-up model plus the least that recent
+        steps of its kind added in B's range (nothing before one was measured)."""
+        return self.cost(B, k) + min(self.added.get((k > 0, self._range(B)), [0.0]))
 
     def predicted_seconds(self, B: int, k: int) -> float:
         return self.target_seconds(B, k) + self.draft_seconds(B, k)
@@ -149,8 +156,9 @@ class AdaptiveDraftLength:
         seconds (None: not representative, e.g. a catch-up after plain steps) and the rest of
         the step's (the target's forward, the accept kernel, the bookkeeping)."""
         if step_seconds is not None:
-            gap, added = step_seconds - self.cost(B, k), self.added[k > 0]
-            added[B] = gap if B not in added else added[B] + self.smoothing * (gap - added[B])
+            recent = self.added.setdefault((k > 0, self._range(B)), [])
+            recent.append(step_seconds - self.cost(B, k))
+            del recent[: -self.window]
         if k == 0:
             return
         for n in accepted:

@@ -43,8 +43,12 @@ def check_batch_sizes(sizes, field: str) -> None:
 
 def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                     eos_token_id=None, adaptive: bool = False, backend: str = "auto", progress=None) -> dict:
-    """The ``batches`` section of a report: one entry per batch size, in the order given."""
+                     eos_token_id=None, adaptive: bool = False, backend: str = "auto", progress=None,
+                     min_groups: int = 1) -> dict:
+    """The ``batches`` section of a report: one entry per batch size, in the order given.
+    ``min_groups``: decode the prompts again (same groups) until each batch size has timed at
+    least that many groups: large batch sizes have few groups, and one timing is one sample of
+    the machine's noise."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
     check_batch_sizes(list(batch_sizes), "batch sizes")
@@ -68,7 +72,9 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
     entries = []
     for B in batch_sizes:
         e = _Entry(B)
-        for g, start in enumerate(range(0, len(ids), B)):
+        starts = list(range(0, len(ids), B))
+        starts *= -(-min_groups // len(starts))  # ceil: whole passes over the prompts
+        for g, start in enumerate(starts):
             group = ids[start : start + B]
             run_base = lambda: generate_plain_batch(target, group, seed=seed + start, **opts)  # noqa: E731
             run_spec = lambda: decoder.generate(group, shape=shape, seed=seed + start, policy=policy, **opts)  # noqa: E731
@@ -80,17 +86,17 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
                 base = run_base()
             e.add(spec, base, greedy)
             if progress is not None:
-                progress(B, min(start + B, len(ids)), len(ids))
+                progress(B, min(g * B + B, len(starts) * B), len(starts) * B)
         if policy is not None:
             e.alpha_estimate = policy.alpha()
         entries.append(e)
     if greedy and max(batch_sizes) > 1:
         # each prompt decoded alone: batch size 1's plain outputs when measured, else decoded now
-        alone = next((e.base_outputs for e in entries if e.B == 1), None) or \
+        alone = next((e.base_outputs[: len(ids)] for e in entries if e.B == 1), None) or \
             [generate_plain_batch(target, [i], seed=seed, **opts).rows[0].tokens for i in ids]
         for e in entries:
-            if e.B > 1:
-                e.alone_same = sum(a == b for a, b in zip(alone, e.base_outputs))
+            if e.B > 1:  # repeated passes decode the prompts in the same order
+                e.alone_same = sum(a == b for a, b in zip(alone * (len(e.base_outputs) // len(ids)), e.base_outputs))
     return {"adaptive": adaptive, "verify_cost_s": cost.to_dict() if cost else None, "entries": [e.to_dict() for e in entries]}
 
 

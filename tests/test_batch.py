@@ -273,13 +273,20 @@ def test_adaptive_policy_adds_what_steps_measured_beyond_the_model():
     policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0, step_seconds=1.5)
     policy.observe(1, 0, [0], step_seconds=1.0)
     assert policy.choose(1) == 0
-    for _ in range(30):
+    for _ in range(8):
         policy.observe(1, 0, [0], step_seconds=2.0)
         policy.observe(1, 1, [], step_seconds=2.5)
-    assert policy.target_seconds(1, 0) == pytest.approx(2.0, abs=0.01) and policy.choose(1) == 1
-    for _ in range(30):
+    assert policy.target_seconds(1, 0) == pytest.approx(2.0) and policy.choose(1) == 1
+    for _ in range(8):
         policy.observe(1, 1, [], step_seconds=3.5)
-    assert policy.target_seconds(1, 1) == pytest.approx(3.5, abs=0.01) and policy.choose(1) == 0
+    assert policy.target_seconds(1, 1) == pytest.approx(3.5) and policy.choose(1) == 0
+    policy.observe(1, 1, [], step_seconds=9.0)  # one step slowed by other work: the least recent counts
+    assert policy.target_seconds(1, 1) == pytest.approx(3.5)
+    # batch sizes 3-4 share what they measure, apart from 1 and 2; unmeasured adds nothing
+    policy.observe(3, 0, [0] * 3, step_seconds=1.7)
+    assert policy.target_seconds(3, 0) == pytest.approx(1.7) and policy.target_seconds(2, 0) == policy.cost(2, 0)
+    assert policy.target_seconds(4, 0) == pytest.approx(policy.cost(4, 0) + 1.7 - policy.cost(3, 0))
+    assert policy.target_seconds(8, 1) == pytest.approx(1.5 * 8)  # the model alone (extrapolated from B=1)
 
 
 def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, prompts, monkeypatch):
@@ -324,6 +331,10 @@ def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
         assert set(e["draft_lengths"]) <= {"0", "1", "2", "3"} and len(e["alpha_estimate"]) == 3
     assert rep["entries"][1]["batched_vs_alone"] == "6/6"
     assert set(rep["verify_cost_s"]) == {f"{b}x{k}" for b in (1, 4) for k in range(1, 5)}
+    # at least 3 timed groups per batch size: batch 4 of 6 prompts (2 groups) decodes them twice
+    rep = evaluate_batches(tiny_llama, NgramProposer(), ps, Chain(2), [1, 4], max_new_tokens=4, min_groups=3)
+    one, four = rep["entries"]
+    assert one["greedy_match"] == "6/6" and four["greedy_match"] == "12/12" and four["batched_vs_alone"] == "12/12"
 
 
 def test_eval_cli_batch_sizes(tiny_target_dirs, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""bench/families.py without models: the runs' own files and its one-line errors."""
+"""bench/families.py and bench/batch.py without models: the runs' own files, tables and one-line errors."""
 
 import json
 import sys
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import batch as batch_bench  # noqa: E402
 import families  # noqa: E402
 
 
@@ -39,3 +40,19 @@ def test_one_line_errors(tmp_path, capsys, what, message):
     assert families.main([str(run), "--quick"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench/families.py: error:") and message in err and "\n" not in err
+
+
+def test_batch_tables_summarise_adaptive_and_noise():
+    def entry(b, speedup, base):
+        return {"batch_size": b, "speedup": speedup, "tokens_per_s": speedup * base, "baseline_tokens_per_s": base,
+                "tau": 1.3, "decode_time_s": 1.0, "draft_s": 0.1, "verify_s": 0.8, "other_s": 0.1,
+                "greedy_match": "4/4", "batched_vs_alone": "4/4"}
+
+    results = {"ngram k=3": {"entries": [entry(1, 1.2, 20.0), entry(4, 0.7, 60.0)]},
+               "eagle3 k=1": {"entries": [entry(1, 1.1, 22.0), entry(4, 0.8, 66.0)]},
+               "eagle3 k=2": {"entries": [entry(1, 1.15, 21.0), entry(4, 0.6, 63.0)]},
+               "eagle3 adaptive k<=2": {"entries": [dict(entry(1, 1.16, 20.0), draft_lengths={"2": 9}), entry(4, 0.99, 60.0)]}}
+    text = batch_bench.tables(results, [1, 4])
+    assert "| eagle3 adaptive k<=2 | 1.16× | 0.99× |" in text
+    assert "below 1.00× at B = 4" in text and "B=1: 1.16× vs best fixed k=2 1.15×; B=4: 0.99× vs best fixed k=1 0.80×" in text
+    assert "B=1: 20.0-22.0 tok/s (±5 %); B=4: 60.0-66.0 tok/s (±5 %)" in text
