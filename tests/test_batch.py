@@ -364,24 +364,43 @@ def test_parse_batch_sizes():
         parse_batch_sizes("2,2")
 
 
+def _started_rows(tiny_llama, prompts, alone, algorithm, shape, batched_cls):
+    """A random drafter's proposer and two RowProposers for the three prompts, both started: the
+    family's own (``batched_cls``, drafting every row at once) and the default one fork per row."""
+    from draftlab.inference.proposer import Sampling
+
+    torch.manual_seed(0)
+    cls = DRAFTERS.get(algorithm, "algorithm")
+    proposer = PROPOSERS.get(algorithm, "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
+    together, by_row = proposer.batched(3, shape), Proposer.batched(proposer, 3, shape)
+    assert isinstance(together, batched_cls) and not isinstance(by_row, batched_cls)
+    for props in (together, by_row):
+        props.configure(Sampling())
+        for b, p in enumerate(prompts):
+            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=list(proposer.layers)).hidden, alone[b][0])
+    return proposer, together, by_row
+
+
+def _advance_rows(tiny_llama, prompts, alone, layers, kept, *row_proposers):
+    """Advance each row by its next ``kept[r]`` greedy tokens, with the target's hidden states."""
+    acc, hid = [], []
+    for r, n in enumerate(kept):
+        seq = prompts[r] + alone[r][: n + 1]
+        acc.append(torch.tensor(alone[r][1 : n + 1]))
+        out = tiny_llama(torch.tensor([seq]), layers=list(layers))
+        hid.append({i: h[:, len(prompts[r]) : len(prompts[r]) + n] for i, h in out.hidden.items()})
+    for props in row_proposers:
+        props.advance(acc, hid, list(range(len(kept))))
+
+
 @pytest.mark.parametrize("confident", [False, True])
 def test_eagle_chains_drafted_together_equal_row_by_row(tiny_llama, prompts, alone, confident):
     """EAGLE's batched chains (one drafter forward per position for all rows, aligned cache
     slots with per-row masks) draft what each row's own proposer drafts, also after rows kept
     different numbers of tokens; and decode losslessly."""
     from draftlab.inference.eagle import EagleChains
-    from draftlab.inference.proposer import Sampling
 
-    torch.manual_seed(0)
-    cls = DRAFTERS.get("eagle3", "algorithm")
-    proposer = PROPOSERS.get("eagle3", "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
-    together, by_row = proposer.batched(3, Chain(4)), Proposer.batched(proposer, 3, Chain(4))
-    assert isinstance(together, EagleChains) and not isinstance(by_row, EagleChains)
-    layers = list(proposer.layers)
-    for props in (together, by_row):
-        props.configure(Sampling())
-        for b, p in enumerate(prompts):
-            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=layers).hidden, alone[b][0])
+    proposer, together, by_row = _started_rows(tiny_llama, prompts, alone, "eagle3", Chain(4), EagleChains)
     # a threshold between the rows' first top-1 probabilities: some rows draft, others stop at once
     first = together.last_logits.softmax(-1).max(-1).values.sort().values
     min_confidence = float(first[:2].mean()) if confident else 0.0
@@ -393,13 +412,7 @@ def test_eagle_chains_drafted_together_equal_row_by_row(tiny_llama, prompts, alo
         if min_confidence:
             assert len({d.tokens.numel() for d in a}) > 1, [d.tokens for d in a]  # rows stopped on their own
         if step == 0:
-            acc, hid = [], []
-            for r, n in enumerate(kept):
-                seq = prompts[r] + alone[r][: n + 1]
-                acc.append(torch.tensor(alone[r][1 : n + 1]))
-                hid.append({i: h[:, len(prompts[r]) : len(prompts[r]) + n] for i, h in tiny_llama(torch.tensor([seq]), layers=layers).hidden.items()})
-            for props in (together, by_row):
-                props.advance(acc, hid, [0, 1, 2])
+            _advance_rows(tiny_llama, prompts, alone, proposer.layers, kept, together, by_row)
     res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
     assert [r.tokens for r in res.rows] == alone
 
@@ -408,19 +421,10 @@ def test_medusa_drafts_all_rows_at_once_as_each_row_alone(tiny_llama, prompts, a
     """MedusaRows runs each head once over every row's state: the same chains (with per-row
     min_confidence stops) and static trees as the rows drafting one by one."""
     from draftlab.inference.medusa import MedusaRows
-    from draftlab.inference.proposer import Sampling, StaticTree
+    from draftlab.inference.proposer import StaticTree
 
-    torch.manual_seed(0)
-    cls = DRAFTERS.get("medusa", "algorithm")
-    proposer = PROPOSERS.get("medusa", "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
+    proposer, together, by_row = _started_rows(tiny_llama, prompts, alone, "medusa", Chain(3), MedusaRows)
     tree = StaticTree(((0,), (1,), (0, 0), (1, 0)))
-    together, by_row = proposer.batched(3, Chain(3)), Proposer.batched(proposer, 3, Chain(3))
-    assert isinstance(together, MedusaRows) and not isinstance(by_row, MedusaRows)
-    layers = list(proposer.layers)
-    for props in (together, by_row):
-        props.configure(Sampling())
-        for b, p in enumerate(prompts):
-            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=layers).hidden, alone[b][0])
     last = torch.cat([p.last for p in together.rows])
     first = torch.stack([proposer.drafter.head_logits(last, 0).softmax(-1).max(-1).values]).flatten().sort().values
     for shape in (Chain(3), Chain(3, float(first[:2].mean())), tree):
@@ -437,30 +441,14 @@ def test_diffusion_drafts_all_rows_in_one_forward_as_each_row_alone(tiny_llama, 
     """DiffusionRows pads the rows' contexts into one drafter forward: the same blocks as the rows
     drafting one by one, also after rows kept different counts."""
     from draftlab.inference.diffusion import DiffusionRows
-    from draftlab.inference.proposer import Sampling
 
-    torch.manual_seed(0)
-    cls = DRAFTERS.get("diffusion", "algorithm")
-    proposer = PROPOSERS.get("diffusion", "algorithm")(cls.build(cls.Config(), tiny_llama, random_samples(tiny_llama, 2)))
     shape = Block(3)
-    together, by_row = proposer.batched(3, shape), Proposer.batched(proposer, 3, shape)
-    assert isinstance(together, DiffusionRows) and not isinstance(by_row, DiffusionRows)
-    layers = list(proposer.layers)
-    for props in (together, by_row):
-        props.configure(Sampling())
-        for b, p in enumerate(prompts):
-            props.start(b, torch.tensor(p), tiny_llama(torch.tensor([p]), layers=layers).hidden, alone[b][0])
+    proposer, together, by_row = _started_rows(tiny_llama, prompts, alone, "diffusion", shape, DiffusionRows)
     for step in range(2):
         a, b = together.propose(shape), by_row.propose(shape)
         assert [d.tokens.tolist() for d in a] == [d.tokens.tolist() for d in b]
         if step == 0:
-            acc, hid = [], []
-            for r, n in enumerate([1, 3, 2]):
-                seq = prompts[r] + alone[r][: n + 1]
-                acc.append(torch.tensor(alone[r][1 : n + 1]))
-                hid.append({i: h[:, len(prompts[r]) : len(prompts[r]) + n] for i, h in tiny_llama(torch.tensor([seq]), layers=layers).hidden.items()})
-            for props in (together, by_row):
-                props.advance(acc, hid, [0, 1, 2])
+            _advance_rows(tiny_llama, prompts, alone, proposer.layers, [1, 3, 2], together, by_row)
     res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
     assert [r.tokens for r in res.rows] == alone
 
