@@ -55,7 +55,7 @@ tokens (the drafter proposes distinct candidates per position); this is checked.
 The decoder's accept rule
 -------------------------
 :func:`accept_chains` and :func:`accept_trees` verify a batch's step from the target's logits
-(the batched decoder), :func:`accept_chain` and :func:`accept_tree` one sequence's: they choose
+(the decoder), :func:`accept_chain` and :func:`accept_tree` one sequence's: they choose
 greedy or sampling, draw the verifier's coins and Exp(1) noise from ``sampling.generator`` and
 call the verifiers above. A one-sequence step with no drafts emits the plain decoding token,
 drawn like plain decoding draws it, so seeded streams match ``generate_plain``'s.
