@@ -114,17 +114,12 @@ class AdaptiveDraftLength:
             e += p
         return e
 
-    @staticmethod
-    def _nearest(table: dict, B: int):
-        return table[min(table, key=lambda b: (abs(b - B), b))] if table else None
-
     def draft_seconds(self, B: int, k: int) -> float:
         """k draft positions at batch size B: the mean cost of a position measured at B, else at
         the nearest batch size measured (0 before any)."""
-        measured = self._nearest(self.drafting, B)
-        if measured is None or k == 0:
+        if not self.drafting or k == 0:
             return 0.0
-        seconds, positions = measured
+        seconds, positions = self.drafting[min(self.drafting, key=lambda b: (abs(b - B), b))]
         return k * seconds / positions
 
     @staticmethod

@@ -313,10 +313,13 @@ def generate_plain_batch(target, prompt_ids, max_new_tokens: int, temperature: f
     verify.seconds = 0.0
     batch = _Batch(slots, max_new_tokens, _eos_set(eos_token_id))
     batch.emit([[t] for t in first])
+    batch.compact(cache)
     steps = 0
     while batch.rows:
-        batch.compact(cache)
+        rows_before = len(batch.rows)
         batch.emit(_plain_step(target, batch, cache, sampling, verify).tokens)
+        if len(batch.rows) < rows_before:  # as the speculative loop: only when rows left
+            batch.compact(cache)
         steps += 1
     t2 = clock()
     return BatchResult(
