@@ -6,17 +6,18 @@ draft lengths, and the adaptive draft length.
                           [--no-append] [--quick]
 
 RUN_OR_CHECKPOINT defaults to runs/smollm2-135m-eagle3 (the README's main job). Its target and
-held-out ShareGPT split come from the checkpoint's recipe. Every configuration goes through
-``inference.batch_eval.evaluate_batches``, which for each batch size decodes the prompts in
-groups of B, plain and speculative back to back on each group (greedy; the prompts again until
-at least ``--min-groups`` groups are timed, so batch 16 is not one sample): speedup is
-speculative over plain tokens/s within that configuration's run. Configurations: n-gram prompt lookup
+held-out ShareGPT split come from the checkpoint's recipe. ``inference.batch_eval.compare_batches``
+decodes, for each batch size, the prompts in groups of B, each group by plain decoding and by
+every configuration in turn, the order rotating by group (greedy; the prompts again until at
+least ``--min-groups`` groups are timed, so batch 16 is not one sample): every speedup is over
+the same plain decoding of the same groups. Configurations: n-gram prompt lookup
 (chain of max k), the drafter's chain at each fixed k, and the adaptive policy (k chosen per
 step in 0..max k from the acceptance seen so far and the verify cost it measures at start-up).
 
 Output: a table per batch size and configuration (tokens/s, speedup, tau, where the time went,
-greedy checks), a speedup grid with the adaptive policy's margin over plain decoding and over
-the best fixed k at each batch size, and a PNG of speedup against batch size. Unless
+greedy checks), a speedup grid with 90 % bootstrap intervals over the groups, the adaptive
+policy's margin over plain decoding and over the best fixed k at each batch size (paired on the
+same groups), and a PNG of speedup against batch size. Unless
 ``--no-append`` or ``--quick``, a section appended to BENCHMARKS.md (PNG under bench/figures/).
 ``--quick``: 4 prompts x 8 tokens, batch sizes 1,2, nothing appended.
 """
@@ -81,7 +82,7 @@ def run(argv, args) -> int:
     import torch
 
     from draftlab.checkpoint import read_meta
-    from draftlab.inference.batch_eval import evaluate_batches
+    from draftlab.inference.batch_eval import Speculation, compare_batches
     from draftlab.inference.prompts import load_prompts
     from draftlab.inference.report import plot_speedup_by_batch
 
@@ -94,14 +95,15 @@ def run(argv, args) -> int:
     started = datetime.now(timezone.utc)
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-    results = {}
-    for label, proposer, shape, adaptive in configurations(ckpt, target, args.ks):
-        print(f"{label} ...", flush=True)
-        results[label] = evaluate_batches(
-            target, proposer, prompts, shape, args.batch_sizes, max_new_tokens=args.max_new_tokens,
-            seed=recipe.seed, eos_token_id=target.tokenizer.eos_token_id, adaptive=adaptive,
-            min_groups=args.min_groups,
-        )
+    configs = configurations(ckpt, target, args.ks)
+    speculations = {label: Speculation(proposer, shape, adaptive) for label, proposer, shape, adaptive in configs}
+    target = configs[-1][1].verifier(target)  # the drafter's verifier (Medusa-2: its merged target) for all
+    print(f"{', '.join(speculations)}: each group of prompts decoded by each and by plain decoding, in turn", flush=True)
+    results = compare_batches(
+        target, speculations, prompts, args.batch_sizes, max_new_tokens=args.max_new_tokens, seed=recipe.seed,
+        eos_token_id=target.tokenizer.eos_token_id, min_groups=args.min_groups,
+        progress=lambda B, done, n: print(f"[batch {B}] {done}/{n} prompts", flush=True),
+    )
     window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0,
               "wall": time.perf_counter() - wall0, "loadavg_start": load_start}
 
@@ -120,6 +122,8 @@ def run(argv, args) -> int:
 
 
 def tables(results: dict, batch_sizes: list[int]) -> str:
+    from draftlab.inference.batch_eval import speedup_interval
+
     head = "| configuration | batch | tok/s | plain tok/s | speedup | τ | draft % | verify % | other % | greedy match | batched = alone | draft lengths (k: steps) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, r in results.items():
@@ -131,33 +135,33 @@ def tables(results: dict, batch_sizes: list[int]) -> str:
                 f"| {e['tau']:.2f} | {100 * e['draft_s'] / t:.0f} | {100 * e['verify_s'] / t:.0f} | {100 * e['other_s'] / t:.0f} "
                 f"| {e['greedy_match']} | {e.get('batched_vs_alone') or '–'} | {lengths} |"
             )
+    entry = {label: {e["batch_size"]: e for e in r["entries"]} for label, r in results.items()}
     grid = ["| configuration | " + " | ".join(f"B={b}" for b in batch_sizes) + " |", "|" + "---|" * (len(batch_sizes) + 1)]
-    speed = {label: {e["batch_size"]: e["speedup"] for e in r["entries"]} for label, r in results.items()}
-    for label, s in speed.items():
-        grid.append(f"| {label} | " + " | ".join(f"{s[b]:.2f}×" for b in batch_sizes) + " |")
-    fixed = [label for label in speed if " k=" in label and not label.startswith("ngram")]
-    adaptive = next((label for label in speed if "adaptive" in label), None)
+    for label, by_b in entry.items():
+        grid.append(f"| {label} | " + " | ".join(_speedup(by_b[b]) for b in batch_sizes) + " |")
+    fixed = [label for label in entry if " k=" in label and not label.startswith("ngram")]
+    adaptive = next((label for label in entry if "adaptive" in label), None)
     summary = ""
     if adaptive and fixed:
         margins = []
         for b in batch_sizes:
-            best = max(fixed, key=lambda label: speed[label][b])
-            margins.append(f"B={b}: {speed[adaptive][b]:.2f}× vs best fixed {best.split()[-1]} {speed[best][b]:.2f}×")
-        slower = [b for b in batch_sizes if speed[adaptive][b] < 1.0]
+            best = max(fixed, key=lambda label: entry[label][b]["speedup"])
+            a, f = entry[adaptive][b], entry[best][b]
+            paired = speedup_interval([(ta, sa, tf, sf) for (ta, sa, _, _), (tf, sf, _, _) in zip(a["groups"], f["groups"])])
+            margins.append(f"B={b}: {a['speedup']:.2f}× vs best fixed {best.split()[-1]} {f['speedup']:.2f}× "
+                           f"(adaptive / best fixed {a['speedup'] / f['speedup']:.3f}, 90 % interval {paired[0]:.3f}-{paired[1]:.3f})")
+        slower = [b for b in batch_sizes if entry[adaptive][b]["speedup"] < 1.0]
         summary = ("\nAdaptive against plain decoding: " + ("at or above 1.00× at every batch size" if not slower
-                   else f"below 1.00× at B = {', '.join(map(str, slower))}") + ". Against the best fixed k: " + "; ".join(margins) + ".\n")
-    summary += "\n" + noise_line(results, batch_sizes) + "\n"
-    return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + summary
+                   else f"below 1.00× at B = {', '.join(map(str, slower))}") + ". Against the best fixed k, on the same groups:\n\n"
+                   + "\n".join(f"- {m}" for m in margins) + "\n")
+    note = ("\nEvery configuration decoded the same groups of prompts, each group by plain decoding and by every "
+            "configuration in turn (order rotating by group); brackets: 90 % bootstrap interval over the groups.\n")
+    return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + note + summary
 
 
-def noise_line(results: dict, batch_sizes: list[int]) -> str:
-    """The same plain decoding measured once per configuration: its spread is the noise floor of
-    this run's speedups."""
-    spread = []
-    for b in batch_sizes:
-        plain = [e["baseline_tokens_per_s"] for r in results.values() for e in r["entries"] if e["batch_size"] == b]
-        spread.append(f"B={b}: {min(plain):.1f}-{max(plain):.1f} tok/s (±{50 * (max(plain) - min(plain)) / min(plain):.0f} %)")
-    return "Noise: plain decoding, the same in every configuration's run, ran at " + "; ".join(spread) + "."
+def _speedup(e: dict) -> str:
+    lo, hi = e.get("speedup_interval") or (e["speedup"], e["speedup"])
+    return f"{e['speedup']:.2f}× ({lo:.2f}-{hi:.2f})"
 
 
 def main(argv=None) -> int:

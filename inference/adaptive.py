@@ -1,8 +1,8 @@
 """Adaptive draft length: choose k (0 = a plain step) before every batched step.
 
 A step of B rows drafting k tokens each costs the target's verify forward over B x (k + 1)
-inputs plus the drafting, and yields on average E(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens
-per row. The policy picks the k that maximises B * E(k) / cost(B, k):
+inputs plus the drafting, and yields on average E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i(r)
+tokens for row r. The policy picks the k that maximises sum_r E_r(k) / cost(B, k):
 
 - ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up at a short
   context (:class:`VerifyCost`); plus what a real step adds to that, kept apart for plain and
@@ -11,8 +11,11 @@ per row. The policy picks the k that maximises B * E(k) / cost(B, k):
   bookkeeping, padding and accept kernel); plus the
   drafting's (seconds per draft position at that batch size, measured while decoding: drafting
   cost differs by family, and by whether it drafts row by row or all rows at once);
-- ``alpha_i``: the acceptance observed so far at draft position i, with a Laplace prior
-  ((accepted + 1) / (reached + 2)).
+- ``alpha_i(r)``: the acceptance observed so far at draft position i in row r's context (what
+  its last step's draft did: rejected, partly or wholly accepted), shrunk towards the acceptance
+  of all rows, which has a Laplace prior ((accepted + 1) / (reached + 2)). A probe that most rows
+  accept can so lead to further drafting steps while the rows' runs last, where the pooled
+  acceptance alone would return to plain steps.
 
 Exploration is optimistic: when the k chosen from the estimates would change under the upper
 confidence bounds of alpha (mean + ``confidence`` standard errors), the policy drafts one more
@@ -83,15 +86,27 @@ class VerifyCost:
 
 class AdaptiveDraftLength:
     """The decoding policy of :class:`~draftlab.inference.decoder.BatchedSpeculativeDecoder`:
-    ``choose(B) -> k`` before a step, ``observe(B, k, accepted, draft_seconds, step_seconds)``
-    after it. One policy may serve many batches (an evaluation keeps one across batch sizes:
-    acceptance does not depend on the batch size, and a server would not forget it either)."""
+    ``choose(B, previous) -> k`` before a step, ``observe(B, k, accepted, draft_seconds,
+    step_seconds)`` after it. One policy may serve many batches (an evaluation keeps one across
+    batch sizes: acceptance does not depend on the batch size, and a server would not forget it
+    either).
 
-    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, window: int = 8):
+    Acceptance is kept per *context*: what the row's last step did (its first draft rejected;
+    some drafts accepted; every draft accepted); a row whose last step drafted nothing (a plain
+    step, or none yet) counts with the pooled acceptance of all rows. Why: acceptance comes in
+    runs (a row copying a list or code accepts draft after draft), so a row that just accepted
+    everything is likelier to accept again, and a batch of such rows earns a longer draft. A
+    context's alpha is shrunk towards the pooled one by ``prior`` pseudo-observations, so a
+    context seen rarely falls back to what all rows show."""
+
+    CONTEXTS = ("rejected", "partial", "all")
+
+    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, window: int = 8, prior: float = 4.0):
         self.cost, self.max_k = cost, max_k
-        self.confidence, self.window = confidence, window
-        self.reached = [0] * (max_k + 1)  # index j: rows whose draft reached position j
-        self.accepted = [0] * (max_k + 1)
+        self.confidence, self.window, self.prior = confidence, window, prior
+        # context -> index j: rows whose draft reached position j / accepted it ("pooled": every row)
+        self.reached = {c: [0] * (max_k + 1) for c in ("pooled", *self.CONTEXTS)}
+        self.accepted = {c: [0] * (max_k + 1) for c in ("pooled", *self.CONTEXTS)}
         # batch size -> [seconds, draft positions] of the steps that drafted: per-row proposers
         # cost B times a row's drafting, batched ones (EagleChains) about one row's
         self.drafting: dict[int, list[float]] = {}
@@ -99,17 +114,39 @@ class AdaptiveDraftLength:
         # (drafting apart) minus the start-up model's
         self.added: dict[tuple[bool, int], list[float]] = {}
         self.chosen: list[int] = []
+        self._contexts: list[str] = []  # the rows' contexts at the last choose
 
-    def alpha(self) -> list[float]:
-        return [(self.accepted[j] + 1) / (self.reached[j] + 2) for j in range(1, self.max_k + 1)]
+    @classmethod
+    def context(cls, last: tuple[int, int] | None) -> str:
+        """A row's context from its last step's (drafted, accepted); no draft (or no step yet): pooled."""
+        if last is None or last[0] == 0:
+            return "pooled"
+        drafted, accepted = last
+        return "rejected" if accepted == 0 else "all" if accepted >= drafted else "partial"
 
-    def optimistic_alpha(self) -> list[float]:
-        return [min(1.0, a + self.confidence * (a * (1 - a) / (self.reached[j] + 2)) ** 0.5)
-                for j, a in enumerate(self.alpha(), start=1)]
+    def alpha(self, context: str = "pooled") -> list[float]:
+        """Acceptance at positions 1..max_k: pooled with a Laplace prior ((accepted + 1) /
+        (reached + 2)); a context's shrunk towards the pooled one."""
+        pooled = [(self.accepted["pooled"][j] + 1) / (self.reached["pooled"][j] + 2) for j in range(1, self.max_k + 1)]
+        if context == "pooled":
+            return pooled
+        acc, reached = self.accepted[context], self.reached[context]
+        return [(acc[j] + self.prior * a) / (reached[j] + self.prior) for j, a in enumerate(pooled, start=1)]
 
-    def expected_tokens(self, k: int, alpha: list[float] | None = None) -> float:
+    def alpha_by_context(self) -> dict[str, dict]:
+        """Each context seen so far: its alpha estimate and the rows whose draft reached position 1."""
+        return {c: {"alpha": self.alpha(c), "rows": self.reached[c][1]} for c in self.CONTEXTS if self.reached[c][1]}
+
+    def optimistic_alpha(self, context: str = "pooled") -> list[float]:
+        n = self.reached[context]
+        extra = 2 if context == "pooled" else self.prior
+        return [min(1.0, a + self.confidence * (a * (1 - a) / (n[j] + extra)) ** 0.5)
+                for j, a in enumerate(self.alpha(context), start=1)]
+
+    @staticmethod
+    def expected_tokens(k: int, alpha: list[float]) -> float:
         e, p = 1.0, 1.0
-        for a in (self.alpha() if alpha is None else alpha)[:k]:
+        for a in alpha[:k]:
             p *= a
             e += p
         return e
@@ -135,12 +172,21 @@ class AdaptiveDraftLength:
     def predicted_seconds(self, B: int, k: int) -> float:
         return self.target_seconds(B, k) + self.draft_seconds(B, k)
 
-    def best(self, B: int, alpha: list[float] | None = None) -> int:
-        return max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k, alpha) / self.predicted_seconds(B, k))
+    def best(self, B: int, rows: dict[str, int], alpha) -> int:
+        """The k maximising the expected tokens of ``rows`` (context -> rows in it, acceptance
+        ``alpha(context)``) per second."""
+        alphas = {c: alpha(c) for c in rows}
+        return max(range(self.max_k + 1),
+                   key=lambda k: sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items())
+                   / self.predicted_seconds(B, k))
 
-    def choose(self, B: int) -> int:
-        k = self.best(B)
-        if k < self.max_k and self.best(B, self.optimistic_alpha()) > k:
+    def choose(self, B: int, previous: list[tuple[int, int] | None] | None = None) -> int:
+        """The draft length of the next step of B rows; ``previous``: each row's last step's
+        (drafted, accepted), None before its first."""
+        self._contexts = [self.context(p) for p in (previous or [None] * B)]
+        rows = {c: self._contexts.count(c) for c in set(self._contexts)}
+        k = self.best(B, rows, self.alpha)
+        if k < self.max_k and self.best(B, rows, self.optimistic_alpha) > k:
             k += 1  # probe: the next position might pay
         self.chosen.append(k)
         return k
@@ -156,11 +202,12 @@ class AdaptiveDraftLength:
             del recent[: -self.window]
         if k == 0:
             return
-        for n in accepted:
-            for j in range(1, min(n + 1, k) + 1):
-                self.reached[j] += 1
-            for j in range(1, n + 1):
-                self.accepted[j] += 1
+        contexts = self._contexts if len(self._contexts) == len(accepted) else ["pooled"] * len(accepted)
+        for n, c in zip(accepted, contexts):
+            for counts, upto in ((self.reached, min(n + 1, k)), (self.accepted, n)):
+                for key in {"pooled", c}:
+                    for j in range(1, upto + 1):
+                        counts[key][j] += 1
         if draft_seconds is not None:
             cost = self.drafting.setdefault(B, [0.0, 0])
             cost[0] += draft_seconds

@@ -2,10 +2,12 @@
 recipe).
 
 For each batch size B the prompts are decoded in consecutive groups of B, plain and
-speculative back to back on the same group (the order alternating between groups), with the
-batched decoder (:mod:`draftlab.inference.decoder`) for both. Per batch size: plain and
-speculative tokens/s (all rows' tokens over the groups' decoding time: the prefill, the same
-forward in both, is left out and reported apart), speedup, tau and alpha_j,
+speculative back to back on the same group (the order rotating between groups), with the
+batched decoder (:mod:`draftlab.inference.decoder`) for both; :func:`compare_batches` measures
+several speculative configurations against one plain baseline that way (bench/batch.py). Per
+batch size: plain and speculative tokens/s (all rows' tokens over the groups' decoding time: the
+prefill, the same forward in both, is left out and reported apart), speedup with a bootstrap
+interval over the groups, tau and alpha_j,
 the split of the speculative time into prefill, draft, verify and the rest, and two greedy
 checks: each row against plain batched decoding of the same group (must match: decoding is
 lossless), and plain batched decoding against the same prompt decoded alone (may differ on
@@ -18,6 +20,8 @@ in the order given, as in a server whose load changes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
@@ -41,21 +45,44 @@ def check_batch_sizes(sizes, field: str) -> None:
         raise DraftlabError(f"{field}: expected distinct integers >= 1, e.g. 1,2,4,8, got {sizes}")
 
 
+@dataclass
+class Speculation:
+    """One speculative configuration to measure against plain decoding: a proposer, the shape
+    it drafts and whether the adaptive policy chooses the draft length per step (up to the
+    shape's k)."""
+
+    proposer: object
+    shape: object
+    adaptive: bool = False
+
+
 def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                      eos_token_id=None, adaptive: bool = False, backend: str = "auto", progress=None,
                      min_groups: int = 1) -> dict:
-    """The ``batches`` section of a report: one entry per batch size, in the order given.
-    ``min_groups``: decode the prompts again (same groups) until each batch size has timed at
-    least that many groups: large batch sizes have few groups, and one timing is one sample of
-    the machine's noise."""
+    """The ``batches`` section of a report: one entry per batch size, in the order given, for
+    one proposer decoding with the target it is verified by (:meth:`Proposer.verifier`)."""
+    speculations = {"": Speculation(proposer, shape, adaptive)}
+    return compare_batches(proposer.verifier(target), speculations, prompts, batch_sizes, max_new_tokens, temperature,
+                           top_k, top_p, seed, eos_token_id, backend, progress, min_groups)[""]
+
+
+def compare_batches(target, speculations: dict[str, Speculation], prompts, batch_sizes, max_new_tokens: int = 128,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                    eos_token_id=None, backend: str = "auto", progress=None, min_groups: int = 1) -> dict[str, dict]:
+    """A ``batches`` section per speculative configuration (label -> section), all against one
+    plain baseline: each group of B prompts is decoded by plain decoding and by every
+    configuration back to back, the order rotating from group to group, so the configurations
+    are compared on the same groups under the same machine state. ``min_groups``: decode the
+    prompts again (same groups) until each batch size has timed at least that many groups:
+    large batch sizes have few groups, and one timing is one sample of the machine's noise."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
     check_batch_sizes(list(batch_sizes), "batch sizes")
-    if adaptive and not isinstance(shape, (Chain, Block)):
-        raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {shape.method}")
-    target = proposer.verifier(target)
-    decoder = BatchedSpeculativeDecoder(target, proposer, backend=backend)
+    for spec in speculations.values():
+        if spec.adaptive and not isinstance(spec.shape, (Chain, Block)):
+            raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {spec.shape.method}")
+    decoders = {label: BatchedSpeculativeDecoder(target, s.proposer, backend=backend) for label, s in speculations.items()}
     opts = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 eos_token_id=eos_token_id)
     ids = [p.prompt_ids for p in prompts]
@@ -64,40 +91,54 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
     warm = dict(opts, max_new_tokens=min(max_new_tokens, 8))
     for B in batch_sizes:
         generate_plain_batch(target, ids[:B], seed=seed, **warm)
-        decoder.generate(ids[:B], shape=shape, seed=seed, **warm)
-    cost = VerifyCost.measure(target, batch_sizes, shape.k) if adaptive else None
-    # one policy for the whole run: what it learnt of acceptance and drafting cost at one batch
-    # size holds at the next (the verify cost it keeps per batch size)
-    policy = AdaptiveDraftLength(cost, shape.k) if adaptive else None
-    entries = []
+        for label, s in speculations.items():
+            decoders[label].generate(ids[:B], shape=s.shape, seed=seed, **warm)
+    adaptive = [s for s in speculations.values() if s.adaptive]
+    cost = VerifyCost.measure(target, batch_sizes, max(s.shape.k for s in adaptive)) if adaptive else None
+    # one policy per configuration for the whole run: what it learnt of acceptance and drafting
+    # cost at one batch size holds at the next (the verify cost it keeps per batch size)
+    policies = {label: AdaptiveDraftLength(cost, s.shape.k) if s.adaptive else None for label, s in speculations.items()}
+    entries: dict[str, list[_Entry]] = {label: [] for label in speculations}
+    plain_outputs: dict[int, list[list[int]]] = {}
     for B in batch_sizes:
-        e = _Entry(B)
+        run = {label: _Entry(B) for label in speculations}
+        plain_outputs[B] = []
         starts = list(range(0, len(ids), B))
         starts *= -(-min_groups // len(starts))  # ceil: whole passes over the prompts
+        order = [None, *speculations]  # None: plain decoding
         for g, start in enumerate(starts):
             group = ids[start : start + B]
-            run_base = lambda: generate_plain_batch(target, group, seed=seed + start, **opts)  # noqa: E731
-            run_spec = lambda: decoder.generate(group, shape=shape, seed=seed + start, policy=policy, **opts)  # noqa: E731
-            if g % 2 == 0:
-                base = run_base()
-                spec = run_spec()
-            else:
-                spec = run_spec()
-                base = run_base()
-            e.add(spec, base, greedy)
+            done = {}
+            for label in order[g % len(order):] + order[: g % len(order)]:
+                if label is None:
+                    done[None] = generate_plain_batch(target, group, seed=seed + start, **opts)
+                else:
+                    done[label] = decoders[label].generate(group, shape=speculations[label].shape, seed=seed + start,
+                                                           policy=policies[label], **opts)
+            plain_outputs[B] += [r.tokens for r in done[None].rows]
+            for label in speculations:
+                run[label].add(done[label], done[None], greedy)
             if progress is not None:
                 progress(B, min(g * B + B, len(starts) * B), len(starts) * B)
-        if policy is not None:
-            e.alpha_estimate = policy.alpha()
-        entries.append(e)
+        for label, e in run.items():
+            if policies[label] is not None:
+                e.alpha_estimate = policies[label].alpha()
+                e.alpha_by_context = policies[label].alpha_by_context()
+            entries[label].append(e)
     if greedy and max(batch_sizes) > 1:
         # each prompt decoded alone: batch size 1's plain outputs when measured, else decoded now
-        alone = next((e.base_outputs[: len(ids)] for e in entries if e.B == 1), None) or \
+        alone = plain_outputs[1][: len(ids)] if 1 in plain_outputs else \
             [generate_plain_batch(target, [i], seed=seed, **opts).rows[0].tokens for i in ids]
-        for e in entries:
-            if e.B > 1:  # repeated passes decode the prompts in the same order
-                e.alone_same = sum(a == b for a, b in zip(alone * (len(e.base_outputs) // len(ids)), e.base_outputs))
-    return {"adaptive": adaptive, "verify_cost_s": cost.to_dict() if cost else None, "entries": [e.to_dict() for e in entries]}
+        for B, outputs in plain_outputs.items():
+            if B > 1:  # repeated passes decode the prompts in the same order
+                same = sum(a == b for a, b in zip(alone * (len(outputs) // len(ids)), outputs))
+                for label in speculations:
+                    entries[label][batch_sizes.index(B)].alone_same = same
+    return {
+        label: {"adaptive": s.adaptive, "verify_cost_s": cost.to_dict() if s.adaptive else None,
+                "entries": [e.to_dict() for e in entries[label]]}
+        for label, s in speculations.items()
+    }
 
 
 class _Entry:
@@ -111,7 +152,9 @@ class _Entry:
         self.matched = self.compared = 0
         self.asked: list[int] = []
         self.alpha_estimate: list[float] | None = None  # the adaptive policy's, after this batch size
+        self.alpha_by_context: dict | None = None  # likewise, per context of the row's last draft
         self.alone_same: int | None = None  # plain batched rows equal to the prompt decoded alone
+        self.groups: list[tuple[int, float, int, float]] = []  # per group: tokens, seconds; plain's
 
     def add(self, spec, base, greedy: bool) -> None:
         for r in spec.rows:
@@ -122,6 +165,8 @@ class _Entry:
         # 2,544 tokens would otherwise outweigh 48 decoded tokens
         self.time += spec.total_time - spec.prefill_time
         self.base_time += base.total_time - base.prefill_time
+        self.groups.append((spec.num_tokens, spec.total_time - spec.prefill_time,
+                            base.num_tokens, base.total_time - base.prefill_time))
         for key, t in (("prefill_s", spec.prefill_time), ("draft_s", spec.draft_time),
                        ("verify_s", spec.verify_time), ("other_s", spec.other_time)):
             self.split[key] += t
@@ -139,6 +184,8 @@ class _Entry:
             "tokens_per_s": tps,
             "baseline_tokens_per_s": base_tps,
             "speedup": tps / base_tps if base_tps else None,
+            "speedup_interval": speedup_interval(self.groups),
+            "groups": [list(g) for g in self.groups],
             **self.stats.to_dict(),
             "new_tokens": self.tokens,
             "decode_time_s": self.time,
@@ -151,4 +198,20 @@ class _Entry:
             counts = {k: self.asked.count(k) for k in sorted(set(self.asked))}
             out["draft_lengths"] = {str(k): n for k, n in counts.items()}
             out["alpha_estimate"] = self.alpha_estimate
+            out["alpha_by_context"] = self.alpha_by_context
         return out
+
+
+def speedup_interval(groups, level: float = 0.9, resamples: int = 2000) -> list[float] | None:
+    """A ``level`` bootstrap interval of the speedup (tokens over seconds, speculative over
+    plain, summed over groups) from per-group (tokens, seconds, plain tokens, plain seconds):
+    groups drawn with replacement, so it holds both the prompts' spread and the machine's noise."""
+    import numpy as np
+
+    g = np.asarray(groups, dtype=float)
+    if len(g) == 0 or (g[:, 1] <= 0).any() or (g[:, 3] <= 0).any():
+        return None
+    sums = g[np.random.default_rng(0).integers(0, len(g), (resamples, len(g)))].sum(1)
+    ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
+    tail = 100 * (1 - level) / 2
+    return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]

@@ -390,8 +390,9 @@ class SpeculativeDecoder:
 class BatchedSpeculativeDecoder:
     """``BatchedSpeculativeDecoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``.
 
-    ``policy`` (chain and block shapes): an object with ``choose(batch_size) -> k`` (0 = a plain
-    step, the same step as plain decoding's) and ``observe(batch_size, k, accepted,
+    ``policy`` (chain and block shapes): an object with ``choose(batch_size, previous) -> k`` (0 =
+    a plain step, the same step as plain decoding's; ``previous``: each row's last step's
+    (drafted, accepted), None before its first) and ``observe(batch_size, k, accepted,
     draft_seconds, step_seconds)``, asked at every step (``draft_seconds`` is None when the
     drafting included catching up on earlier plain steps; ``step_seconds``: the rest of the
     step); without one every step drafts ``shape.k``."""
@@ -436,11 +437,12 @@ class BatchedSpeculativeDecoder:
         # draft, so plain steps (k = 0) cost no drafter work and the catch-up is one call per row.
         pending: list[list[tuple[list[int], dict]]] = [[] for _ in going]
         steps, asked = 0, []
+        last_step: dict[int, tuple[int, int]] = {}  # row -> its last step's (drafted, accepted)
         while batch.rows:
             step_start, drafted_before = clock(), draft.seconds
             step_shape = shape
             if policy is not None:
-                k = policy.choose(len(batch.rows))
+                k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows])
                 step_shape = type(shape)(k) if k > 0 else None
                 asked.append(k)
             # drafting after plain steps first catches up on them: not what k positions cost
@@ -458,6 +460,7 @@ class BatchedSpeculativeDecoder:
                 per_row["accept_lengths"][r].append(n)
                 per_row["num_drafted"][r].append(d)
                 per_row["draft_depths"][r].append(depth)
+                last_step[r] = (d, n)
             if policy is not None:
                 drafting = draft.seconds - drafted_before
                 policy.observe(len(batch.rows), asked[-1], v.accepted, None if catching_up else drafting,

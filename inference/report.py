@@ -75,12 +75,12 @@ def train_serve_gap(report: dict) -> str | None:
 def batch_table(batches: dict) -> str:
     """One row per batch size of a report's ``batches`` section (:mod:`draftlab.inference.batch_eval`)."""
     adaptive = batches.get("adaptive")
-    head = ["batch", "tok/s", "base tok/s", "speedup", "tau", "draft s", "verify s", "other s", "prefill s",
+    head = ["batch", "tok/s", "base tok/s", "speedup", "90 % interval", "tau", "draft s", "verify s", "other s", "prefill s",
             "greedy match", "batched = alone"] + (["draft lengths (k: steps)"] if adaptive else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in batches["entries"]:
         cells = [str(e["batch_size"]), _fmt(e["tokens_per_s"], 1), _fmt(e["baseline_tokens_per_s"], 1),
-                 _fmt(e.get("speedup")), _fmt(e["tau"])] + [_fmt(e[k]) for k in ("draft_s", "verify_s", "other_s", "prefill_s")]
+                 _fmt(e.get("speedup")), "-".join(_fmt(x) for x in e.get("speedup_interval") or ()) or "-", _fmt(e["tau"])] + [_fmt(e[k]) for k in ("draft_s", "verify_s", "other_s", "prefill_s")]
         cells += [_fmt(e.get("greedy_match")), _fmt(e.get("batched_vs_alone"))]
         if adaptive:
             cells.append(" ".join(f"{k}:{n}" for k, n in (e.get("draft_lengths") or {}).items()))
@@ -174,14 +174,16 @@ def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Pa
 
 def plot_speedup_by_batch(series: dict[str, list[dict]], path, title: str = "") -> Path:
     """PNG of speedup over plain decoding against batch size, one curve per labelled list of
-    ``batches`` entries, with the break-even line."""
+    ``batches`` entries (error bars: their 90 % intervals), with the break-even line."""
 
     def draw(ax):
         for label, entries in series.items():
-            pts = [(e["batch_size"], e["speedup"]) for e in entries if e.get("speedup") is not None]
+            pts = [e for e in entries if e.get("speedup") is not None]
             if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", label=label)
+                xs, ys = [e["batch_size"] for e in pts], [e["speedup"] for e in pts]
+                bounds = [e.get("speedup_interval") or (e["speedup"], e["speedup"]) for e in pts]
+                err = [[y - lo for y, (lo, _) in zip(ys, bounds)], [hi - y for y, (_, hi) in zip(ys, bounds)]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
         ax.axhline(1.0, color="gray", ls="--", lw=1)
         ax.set_xscale("log", base=2)
         sizes = sorted({e["batch_size"] for entries in series.values() for e in entries})

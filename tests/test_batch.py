@@ -14,7 +14,7 @@ import torch
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
-from draftlab.inference.batch_eval import evaluate_batches, parse_batch_sizes
+from draftlab.inference.batch_eval import Speculation, compare_batches, evaluate_batches, parse_batch_sizes, speedup_interval
 from draftlab.inference.decoder import BatchedSpeculativeDecoder, _cache_slots, generate_plain, generate_plain_batch
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.prompts import EvalPrompt
@@ -246,10 +246,28 @@ def test_adaptive_policy_follows_cost_and_acceptance():
     slow.observe(1, 3, [1] * 20, draft_seconds=3 * 0.5)
     fast = AdaptiveDraftLength(_cost(0.01), max_k=3)
     fast.observe(1, 3, [1] * 20, draft_seconds=3 * 0.001)
-    assert slow.choose(1) < fast.choose(1) == 3
+    assert slow.choose(1) == 1 < fast.choose(1)
     assert slow.draft_seconds(4, 2) == pytest.approx(1.0)  # measured at B=1, the nearest
     slow.observe(1, 3, [1] * 20, draft_seconds=None)  # a catch-up after plain steps: not a drafting cost
     assert slow.drafting[1] == [1.5, 3]
+
+
+def test_adaptive_policy_drafts_after_accepted_runs():
+    """Acceptance comes in runs: rows that accepted their last draft accept the next, rows that
+    rejected it do not. Pooled (alpha 0.5) a draft that costs 0.6 of a step does not pay; per
+    context it pays for a batch of rows that just accepted, and not otherwise."""
+    policy = AdaptiveDraftLength(_cost(0.6), max_k=1)
+    after_accept, after_reject = (1, 1), (1, 0)
+    for _ in range(100):
+        policy.choose(2, [after_accept, after_reject])
+        policy.observe(2, 1, [1, 0])
+    assert policy.alpha()[0] == pytest.approx(0.5)
+    assert policy.alpha("all")[0] > 0.95 and policy.alpha("rejected")[0] < 0.05
+    assert policy.choose(2, [after_accept, after_accept]) == 1
+    assert policy.choose(2, [after_reject, after_reject]) == 0
+    assert policy.choose(2, [after_accept, after_reject]) == 0  # (2 + 1) / 1.6 < 2 / 1
+    assert policy.choose(2, [None, None]) == 0  # no draft yet: the pooled 0.5
+    assert set(policy.alpha_by_context()) == {"rejected", "all"}
 
 
 def test_adaptive_policy_probes_until_acceptance_is_known():
@@ -294,7 +312,7 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
     import draftlab.inference.decoder as decoder_module
 
     class Never:
-        def choose(self, B):
+        def choose(self, B, previous):
             return 0
 
         def observe(self, *args):
@@ -335,6 +353,45 @@ def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
     rep = evaluate_batches(tiny_llama, NgramProposer(), ps, Chain(2), [1, 4], max_new_tokens=4, min_groups=3)
     one, four = rep["entries"]
     assert one["greedy_match"] == "6/6" and four["greedy_match"] == "12/12" and four["batched_vs_alone"] == "12/12"
+
+
+def test_compare_batches_measures_every_configuration_against_one_plain_decoding(tiny_llama, prompts, alone, monkeypatch):
+    """Each group is decoded once by plain decoding and once by each configuration, the order
+    rotating by group; every configuration's speedup is over that one plain decoding."""
+    import draftlab.inference.batch_eval as batch_eval
+
+    calls = []
+    plain = batch_eval.generate_plain_batch
+    monkeypatch.setattr(batch_eval, "generate_plain_batch", lambda *a, **k: calls.append("plain") or plain(*a, **k))
+    decode = BatchedSpeculativeDecoder.generate
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "generate",
+                        lambda self, *a, **k: calls.append(self.proposer.name) or decode(self, *a, **k))
+    ps = [EvalPrompt("c", p, str(i)) for i, p in enumerate(prompts)]
+    specs = {"ngram": Speculation(NgramProposer(), Chain(2)),
+             "oracle adaptive": Speculation(_oracle(tiny_llama, prompts, alone), Chain(3), adaptive=True)}
+    res = compare_batches(tiny_llama, specs, ps, [1, 3], max_new_tokens=N_NEW, min_groups=2)
+    timed = calls[-3 * (3 + 2):]  # batch 1: 3 groups, batch 3: the one group twice; 3 decodings each
+    assert [timed[3 * g : 3 * g + 3] for g in range(3)] == [["plain", "ngram", "row-oracle"],
+                                                          ["ngram", "row-oracle", "plain"],
+                                                          ["row-oracle", "plain", "ngram"]]
+    for b, n_groups in ((0, 3), (1, 2)):
+        ngram, oracle = res["ngram"]["entries"][b], res["oracle adaptive"]["entries"][b]
+        assert ngram["baseline_tokens_per_s"] == oracle["baseline_tokens_per_s"]
+        assert [g[2:] for g in ngram["groups"]] == [g[2:] for g in oracle["groups"]] and len(oracle["groups"]) == n_groups
+        for e in (ngram, oracle):
+            lo, hi = e["speedup_interval"]
+            assert lo <= e["speedup"] <= hi and e["greedy_match"] == ("3/3", "6/6")[b]
+    assert res["oracle adaptive"]["verify_cost_s"] and res["ngram"]["verify_cost_s"] is None
+    assert "alpha_by_context" in res["oracle adaptive"]["entries"][0]
+
+
+def test_speedup_interval_is_a_bootstrap_over_groups():
+    same = [(10, 1.0, 10, 2.0)] * 4  # every group 2x: no spread
+    assert speedup_interval(same) == pytest.approx([2.0, 2.0])
+    mixed = [(10, 1.0, 10, 1.0), (10, 1.0, 10, 3.0)] * 5  # 1x and 3x groups: 2x over the sums, spread around it
+    lo, hi = speedup_interval(mixed)
+    assert 1.0 < lo < 2.0 < hi < 3.0
+    assert speedup_interval([]) is None
 
 
 def test_eval_cli_batch_sizes(tiny_target_dirs, tmp_path, capsys):

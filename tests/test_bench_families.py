@@ -42,17 +42,21 @@ def test_one_line_errors(tmp_path, capsys, what, message):
     assert err.startswith("bench/families.py: error:") and message in err and "\n" not in err
 
 
-def test_batch_tables_summarise_adaptive_and_noise():
-    def entry(b, speedup, base):
+def test_batch_tables_summarise_adaptive_with_paired_intervals():
+    def entry(b, speedup, base, groups=2):
+        # groups of 10 tokens: plain at ``base`` tok/s, the configuration at ``speedup`` times that
         return {"batch_size": b, "speedup": speedup, "tokens_per_s": speedup * base, "baseline_tokens_per_s": base,
+                "speedup_interval": [speedup - 0.05, speedup + 0.05],
+                "groups": [[10, 10 / (speedup * base), 10, 10 / base]] * groups,
                 "tau": 1.3, "decode_time_s": 1.0, "draft_s": 0.1, "verify_s": 0.8, "other_s": 0.1,
                 "greedy_match": "4/4", "batched_vs_alone": "4/4"}
 
     results = {"ngram k=3": {"entries": [entry(1, 1.2, 20.0), entry(4, 0.7, 60.0)]},
-               "eagle3 k=1": {"entries": [entry(1, 1.1, 22.0), entry(4, 0.8, 66.0)]},
-               "eagle3 k=2": {"entries": [entry(1, 1.15, 21.0), entry(4, 0.6, 63.0)]},
-               "eagle3 adaptive k<=2": {"entries": [dict(entry(1, 1.16, 20.0), draft_lengths={"2": 9}), entry(4, 0.99, 60.0)]}}
+               "eagle3 k=1": {"entries": [entry(1, 1.1, 20.0), entry(4, 0.8, 60.0)]},
+               "eagle3 k=2": {"entries": [entry(1, 1.15, 20.0), entry(4, 0.6, 60.0)]},
+               "eagle3 adaptive k<=2": {"entries": [dict(entry(1, 1.161, 20.0), draft_lengths={"2": 9}), entry(4, 0.96, 60.0)]}}
     text = batch_bench.tables(results, [1, 4])
-    assert "| eagle3 adaptive k<=2 | 1.16× | 0.99× |" in text
-    assert "below 1.00× at B = 4" in text and "B=1: 1.16× vs best fixed k=2 1.15×; B=4: 0.99× vs best fixed k=1 0.80×" in text
-    assert "B=1: 20.0-22.0 tok/s (±5 %); B=4: 60.0-66.0 tok/s (±5 %)" in text
+    assert "| eagle3 adaptive k<=2 | 1.16× (1.11-1.21) | 0.96× (0.91-1.01) |" in text
+    assert "below 1.00× at B = 4" in text
+    assert "B=1: 1.16× vs best fixed k=2 1.15× (adaptive / best fixed 1.010, 90 % interval 1.010-1.010)" in text
+    assert "B=4: 0.96× vs best fixed k=1 0.80× (adaptive / best fixed 1.200, 90 % interval 1.200-1.200)" in text
