@@ -145,8 +145,6 @@ class _Entry:
     def __init__(self, B: int):
         self.B = B
         self.stats = AcceptanceStats()
-        self.tokens = self.base_tokens = 0
-        self.time = self.base_time = 0.0
         self.split = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
         self.base_outputs: list[list[int]] = []
         self.matched = self.compared = 0
@@ -159,12 +157,8 @@ class _Entry:
     def add(self, spec, base, greedy: bool) -> None:
         for r in spec.rows:
             self.stats.merge(r.stats())
-        self.tokens += spec.num_tokens
-        self.base_tokens += base.num_tokens
         # decode phase only: the prefill is the same forward in both, and a held-out prompt of
         # 2,544 tokens would otherwise outweigh 48 decoded tokens
-        self.time += spec.total_time - spec.prefill_time
-        self.base_time += base.total_time - base.prefill_time
         self.groups.append((spec.num_tokens, spec.total_time - spec.prefill_time,
                             base.num_tokens, base.total_time - base.prefill_time))
         for key, t in (("prefill_s", spec.prefill_time), ("draft_s", spec.draft_time),
@@ -177,8 +171,9 @@ class _Entry:
             self.matched += sum(s.tokens == b.tokens for s, b in zip(spec.rows, base.rows))
 
     def to_dict(self) -> dict:
-        tps = self.tokens / self.time if self.time > 0 else 0.0
-        base_tps = self.base_tokens / self.base_time if self.base_time > 0 else 0.0
+        tokens, time, base_tokens, base_time = (sum(g[i] for g in self.groups) for i in range(4))
+        tps = tokens / time if time > 0 else 0.0
+        base_tps = base_tokens / base_time if base_time > 0 else 0.0
         out = {
             "batch_size": self.B,
             "tokens_per_s": tps,
@@ -187,8 +182,8 @@ class _Entry:
             "speedup_interval": speedup_interval(self.groups),
             "groups": [list(g) for g in self.groups],
             **self.stats.to_dict(),
-            "new_tokens": self.tokens,
-            "decode_time_s": self.time,
+            "new_tokens": tokens,
+            "decode_time_s": time,
             **self.split,
             "greedy_match": f"{self.matched}/{self.compared}" if self.compared else None,
         }
