@@ -4,11 +4,12 @@ A step of B rows drafting k tokens each costs the target's verify forward over B
 inputs plus the drafting, and yields on average E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_i(r)
 tokens for row r. The policy picks the k that maximises sum_r E_r(k) / cost(B, k):
 
-- ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up at a short
-  context (:class:`VerifyCost`); plus what a real step adds to that, kept apart for plain and
-  for drafting steps and for batch sizes 1, 2, 3-4, 5-8, ... (the least of the last 8 measured
-  minus modelled seconds: the real context, read by every forward whatever k; a drafting step's
-  bookkeeping, padding and accept kernel); plus the
+- ``cost(B, k)``: the verify forward's seconds, measured on this machine at start-up at two
+  contexts and interpolated to the tokens the rows' attention reads (:class:`VerifyCost`); plus
+  what real steps in B's range (batch sizes 1, 2, 3-4, 5-8, ...) add to that: a level shared by
+  both kinds of step (the least of the last 8, within the last 32 steps: ragged rows, the
+  machine's drift) and, for a drafting step, its extra over a plain one (the median difference
+  between consecutive plain and drafting steps: accept kernel, padding, bookkeeping); plus the
   drafting's (seconds per draft position at that batch size, measured while decoding: drafting
   cost differs by family, and by whether it drafts row by row or all rows at once);
 - ``alpha_i(r)``: the acceptance observed so far at draft position i in row r's context (what
@@ -21,11 +22,11 @@ Exploration is optimistic: when the k chosen from the estimates would change und
 confidence bounds of alpha (mean + ``confidence`` standard errors), the policy drafts one more
 position than the estimates say, so an estimate it stopped feeding cannot freeze, and stops
 probing once enough rows have been seen that even the optimistic alpha would not pay. A batch of
-B rows teaches B observations per step, so probing ends sooner where it costs most. What has
-not been measured yet (drafting cost; what a plain or a drafting step adds at this range of
-batch sizes) counts as free, so the policy tries it and learns; the least of recent
-measurements, not their mean, so that one step slowed by other work on the machine cannot keep
-the policy from a kind of step for good.
+B rows teaches B observations per step, so probing ends sooner where it costs most. Costs are
+explored too: while one kind of step (plain or drafting) has been measured fewer than 4 times in
+a range and its predicted rate is within one step's timing noise (10 %) of the chosen kind's,
+the policy takes it. Plain decoding keeps a tie: a draft must be predicted to gain more than
+``min_gain`` (5 %), the error of the predicted step seconds seen per batch of prompts.
 
 Why: with more rows the verify forward turns from weight-bound to compute-bound, so a draft
 that pays at batch 1 can cost more than it yields at batch 16 (SpecDecodeBench: EAGLE's
@@ -34,59 +35,87 @@ speedup falls from 1.73x at batch 1 to 1.21x at batch 128).
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from draftlab.inference.decoder import _Clock
+from draftlab.models.target import attention_groups
 
 
 class VerifyCost:
     """Seconds of one target forward over B rows x (k + 1) inputs each, against a cache of
-    ``context`` tokens per row, for the batch sizes and k = 0..max_k measured; other batch
-    sizes are interpolated linearly (clamped to the measured range)."""
+    ``context`` tokens per row, measured for the batch sizes, k = 0..max_k and two contexts;
+    other batch sizes are interpolated linearly (clamped to the measured range), other contexts
+    linearly too (extrapolated above: attention reads every cached token, so its cost grows
+    linearly; clamped below). Why the context: at batch 4 on the AMD EPYC a forward of 2 inputs
+    per row cost 1.13x one of 1 input at a 256-token context and 1.23x at 1,000 tokens, which
+    is the margin a draft of acceptance 0.34 has to pay for."""
 
-    def __init__(self, seconds: dict[tuple[int, int], float]):
+    def __init__(self, seconds: dict[tuple[int, int, int], float]):
         self.seconds = dict(seconds)
-        self.batch_sizes = sorted({b for b, _ in self.seconds})
+        self.batch_sizes = sorted({b for b, _, _ in self.seconds})
+        self.contexts = sorted({c for _, _, c in self.seconds})
 
     @classmethod
     @torch.no_grad()
-    def measure(cls, target, batch_sizes, max_k: int, context: int = 256, repeats: int = 5) -> "VerifyCost":
+    def measure(cls, target, batch_sizes, max_k: int, contexts=(64, 1024), repeats: int = 5) -> "VerifyCost":
         clock = _Clock(target.device)
         seconds = {}
         g = torch.Generator().manual_seed(0)
         for B in sorted(set(batch_sizes)):
-            cache = target.new_cache(B, context + max_k + 1, ragged=True)
-            for k in range(max_k + 1):
-                ids = torch.randint(0, target.vocab_size, (B, k + 1), generator=g).to(target.device)
-                times = []
-                for _ in range(repeats + 1):  # the first run warms up (allocations, GEMM choice)
-                    cache.lengths = [context] * B  # the slots' content does not change the cost
-                    t0 = clock()
-                    target(ids, cache=cache, logits="all")
-                    times.append(clock() - t0)
-                seconds[(B, k)] = min(times[1:])  # noise from other work only adds time
+            cache = target.new_cache(B, max(contexts) + max_k + 1, ragged=True)
+            for context in sorted(set(contexts)):
+                for k in range(max_k + 1):
+                    ids = torch.randint(0, target.vocab_size, (B, k + 1), generator=g).to(target.device)
+                    times = []
+                    for _ in range(repeats + 1):  # the first run warms up (allocations, GEMM choice)
+                        cache.lengths = [context] * B  # the slots' content does not change the cost
+                        t0 = clock()
+                        target(ids, cache=cache, logits="all")
+                        times.append(clock() - t0)
+                    seconds[(B, k, context)] = min(times[1:])  # noise from other work only adds time
         return cls(seconds)
 
-    def __call__(self, B: int, k: int) -> float:
+    def __call__(self, B: int, k: int, context: float | None = None) -> float:
+        """``context``: the tokens per row the forward's attention reads (default: the least measured)."""
+        cs = self.contexts
+        if context is None or context <= cs[0] or len(cs) == 1:
+            return self._at(B, k, cs[0])
+        hi = next((c for c in cs if c >= context), cs[-1])
+        lo = max(c for c in cs if c < hi)
+        w = (context - lo) / (hi - lo)
+        return (1 - w) * self._at(B, k, lo) + w * self._at(B, k, hi)
+
+    def _at(self, B: int, k: int, context: int) -> float:
         sizes = self.batch_sizes
         if B <= sizes[0]:
-            return self.seconds[(sizes[0], k)]
+            return self.seconds[(sizes[0], k, context)]
         if B >= sizes[-1]:
-            return self.seconds[(sizes[-1], k)] * B / sizes[-1]
+            return self.seconds[(sizes[-1], k, context)] * B / sizes[-1]
         hi = next(s for s in sizes if s >= B)
         lo = max(s for s in sizes if s <= B)
         if hi == lo:
-            return self.seconds[(lo, k)]
+            return self.seconds[(lo, k, context)]
         w = (B - lo) / (hi - lo)
-        return (1 - w) * self.seconds[(lo, k)] + w * self.seconds[(hi, k)]
+        return (1 - w) * self.seconds[(lo, k, context)] + w * self.seconds[(hi, k, context)]
 
     def to_dict(self) -> dict:
-        return {f"{b}x{k + 1}": s for (b, k), s in sorted(self.seconds.items())}
+        return {f"{b}x{k + 1}@{c}": s for (b, k, c), s in sorted(self.seconds.items())}
+
+
+def attended_context(lengths: list[int], k: int) -> float:
+    """The tokens per row a forward of k + 1 inputs per row reads, on average, over a ragged
+    cache of ``lengths``: rows attend in groups over the group's longest row
+    (:func:`~draftlab.models.target.attention_groups`), so a short row beside a long one reads
+    the long one's span."""
+    spans = [n + k + 1 for n in lengths]
+    return sum((hi - lo) * span for lo, hi, span in attention_groups(spans)) / len(spans) - (k + 1)
 
 
 class AdaptiveDraftLength:
     """The decoding policy of :class:`~draftlab.inference.decoder.BatchedSpeculativeDecoder`:
-    ``choose(B, previous) -> k`` before a step, ``observe(B, k, accepted, draft_seconds,
+    ``choose(B, previous, lengths) -> k`` before a step, ``observe(B, k, accepted, draft_seconds,
     step_seconds)`` after it. One policy may serve many batches (an evaluation keeps one across
     batch sizes: acceptance does not depend on the batch size, and a server would not forget it
     either).
@@ -101,20 +130,34 @@ class AdaptiveDraftLength:
 
     CONTEXTS = ("rejected", "partial", "all")
 
-    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, window: int = 8, prior: float = 4.0):
+    def __init__(self, cost: VerifyCost, max_k: int, confidence: float = 2.0, window: int = 8, memory: int = 32,
+                 history: int = 256, prior: float = 4.0, step_noise: float = 0.1, min_gain: float = 0.05):
         self.cost, self.max_k = cost, max_k
-        self.confidence, self.window, self.prior = confidence, window, prior
+        self.confidence, self.window, self.memory, self.history, self.prior = confidence, window, memory, history, prior
+        # one step's seconds vary by this fraction from step to step (on the AMD EPYC: +-8 % at
+        # batch 4, the same forward repeated)
+        self.step_noise = step_noise
+        # a draft must be predicted to gain more than this over a plain step: per batch of
+        # prompts, predicted step seconds missed the measured by up to 5 % on the AMD EPYC, and
+        # near break-even a wrong guess either way costs as much, so plain decoding keeps the tie
+        self.min_gain = min_gain
         # context -> index j: rows whose draft reached position j / accepted it ("pooled": every row)
         self.reached = {c: [0] * (max_k + 1) for c in ("pooled", *self.CONTEXTS)}
         self.accepted = {c: [0] * (max_k + 1) for c in ("pooled", *self.CONTEXTS)}
         # batch size -> [seconds, draft positions] of the steps that drafted: per-row proposers
         # cost B times a row's drafting, batched ones (EagleChains) about one row's
         self.drafting: dict[int, list[float]] = {}
-        # (drafting step?, batch-size range) -> the last ``window`` steps' measured seconds
-        # (drafting apart) minus the start-up model's
-        self.added: dict[tuple[bool, int], list[float]] = {}
+        # batch-size range -> its steps' (step number, drafted?, measured seconds (drafting
+        # apart) minus the start-up model's), the last ``history``
+        self.residuals: dict[int, list[tuple[int, bool, float]]] = {}
+        self.steps = 0  # steps observed
         self.chosen: list[int] = []
         self._contexts: list[str] = []  # the rows' contexts at the last choose
+        self._lengths: list[int] | None = None  # the KV cache's lengths at the last choose
+
+    def measured(self, drafting: bool, B: int) -> int:
+        """Steps of a kind measured in B's range (within the history kept)."""
+        return sum(d == drafting for _, d, _ in self.residuals.get(self._range(B), []))
 
     @classmethod
     def context(cls, last: tuple[int, int] | None) -> str:
@@ -164,30 +207,66 @@ class AdaptiveDraftLength:
         """Batch sizes 1, 2, 3-4, 5-8, ... share what they measure (the smallest power of 2 >= B)."""
         return 1 << (B - 1).bit_length()
 
-    def target_seconds(self, B: int, k: int) -> float:
-        """A step's seconds apart from drafting: the start-up model plus the least that recent
-        steps of its kind added in B's range (nothing before one was measured)."""
-        return self.cost(B, k) + min(self.added.get((k > 0, self._range(B)), [0.0]))
+    def model_seconds(self, B: int, k: int, lengths: list[int] | None = None) -> float:
+        """The start-up model's seconds for a step of B rows drafting k over a cache of
+        ``lengths`` tokens per row (None: the least context measured)."""
+        return self.cost(B, k, attended_context(lengths, k) if lengths else None)
 
-    def predicted_seconds(self, B: int, k: int) -> float:
-        return self.target_seconds(B, k) + self.draft_seconds(B, k)
+    def target_seconds(self, B: int, k: int, lengths: list[int] | None = None) -> float:
+        """A step's seconds apart from drafting: the start-up model, plus what recent steps in
+        B's range added to it (:meth:`level`), plus what a drafting step adds beyond a plain one
+        (:meth:`drafting_extra`)."""
+        return self.model_seconds(B, k, lengths) + self.level(B) + (self.drafting_extra(B) if k else 0.0)
 
-    def best(self, B: int, rows: dict[str, int], alpha) -> int:
-        """The k maximising the expected tokens of ``rows`` (context -> rows in it, acceptance
-        ``alpha(context)``) per second."""
+    def drafting_extra(self, B: int) -> float:
+        """What a drafting step adds beyond a plain one in B's range, drafting apart (the accept
+        kernel, padding, bookkeeping): the median difference between consecutive steps of the
+        two kinds, which share the batch's context and the machine's speed (0 before a pair)."""
+        steps = self.residuals.get(self._range(B), [])
+        pairs = [(b[2] - a[2]) * (1 if b[1] else -1) for a, b in zip(steps, steps[1:]) if a[1] != b[1] and b[0] == a[0] + 1]
+        return statistics.median(pairs) if pairs else 0.0
+
+    def level(self, B: int) -> float:
+        """What the last ``window`` steps in B's range, within the last ``memory`` steps, added
+        to the model beyond :meth:`drafting_extra`: the batch's real context (its rows'
+        lengths differ, so attention runs in several calls; the model was measured on even
+        lengths) and the machine's speed drift, alike for both kinds. The least of them: one
+        step slowed by other work must not keep the policy from drafting (0 before any)."""
+        extra = self.drafting_extra(B)
+        recent = [x - (extra if drafted else 0.0) for step, drafted, x in self.residuals.get(self._range(B), [])[-self.window:]
+                  if step > self.steps - self.memory]
+        return min(recent) if recent else 0.0
+
+    def predicted_seconds(self, B: int, k: int, lengths: list[int] | None = None) -> float:
+        return self.target_seconds(B, k, lengths) + self.draft_seconds(B, k)
+
+    def rates(self, B: int, rows: dict[str, int], alpha, lengths: list[int] | None = None) -> list[float]:
+        """Expected tokens per second of each k = 0..max_k for ``rows`` (context -> rows in it,
+        acceptance ``alpha(context)``) over a cache of ``lengths``; plain steps' (k = 0) counted
+        ``min_gain`` higher."""
         alphas = {c: alpha(c) for c in rows}
-        return max(range(self.max_k + 1),
-                   key=lambda k: sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items())
-                   / self.predicted_seconds(B, k))
+        return [sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items()) / self.predicted_seconds(B, k, lengths)
+                * (1 + self.min_gain if k == 0 else 1) for k in range(self.max_k + 1)]
 
-    def choose(self, B: int, previous: list[tuple[int, int] | None] | None = None) -> int:
+    def choose(self, B: int, previous: list[tuple[int, int] | None] | None = None,
+               lengths: list[int] | None = None) -> int:
         """The draft length of the next step of B rows; ``previous``: each row's last step's
-        (drafted, accepted), None before its first."""
+        (drafted, accepted), None before its first; ``lengths``: the tokens each row of the KV
+        cache holds (None: the least context the start-up model measured)."""
         self._contexts = [self.context(p) for p in (previous or [None] * B)]
+        self._lengths = lengths
         rows = {c: self._contexts.count(c) for c in set(self._contexts)}
-        k = self.best(B, rows, self.alpha)
-        if k < self.max_k and self.best(B, rows, self.optimistic_alpha) > k:
+        rates = self.rates(B, rows, self.alpha, lengths)
+        k = max(range(self.max_k + 1), key=rates.__getitem__)
+        optimistic = self.rates(B, rows, self.optimistic_alpha, lengths)
+        if k < self.max_k and max(range(self.max_k + 1), key=optimistic.__getitem__) > k:
             k += 1  # probe: the next position might pay
+        # the other kind of step (plain or drafting), while it was measured in fewer than
+        # window / 2 steps in this range and its rate is within one step's timing noise of the
+        # chosen: measure it (a decision near break-even taken on one noisy sample would stand)
+        rival = max(range(1, self.max_k + 1), key=rates.__getitem__) if k == 0 else 0
+        if self.measured(rival > 0, B) < self.window // 2 and rates[rival] >= (1 - self.step_noise) * rates[k]:
+            k = rival
         self.chosen.append(k)
         return k
 
@@ -197,9 +276,11 @@ class AdaptiveDraftLength:
         seconds (None: not representative, e.g. a catch-up after plain steps) and the rest of
         the step's (the target's forward, the accept kernel, the bookkeeping)."""
         if step_seconds is not None:
-            recent = self.added.setdefault((k > 0, self._range(B)), [])
-            recent.append(step_seconds - self.cost(B, k))
-            del recent[: -self.window]
+            steps = self.residuals.setdefault(self._range(B), [])
+            lengths = self._lengths if self._lengths is not None and len(self._lengths) == B else None
+            steps.append((self.steps, k > 0, step_seconds - self.model_seconds(B, k, lengths)))
+            del steps[: -self.history]
+        self.steps += 1
         if k == 0:
             return
         contexts = self._contexts if len(self._contexts) == len(accepted) else ["pooled"] * len(accepted)

@@ -390,9 +390,10 @@ class SpeculativeDecoder:
 class BatchedSpeculativeDecoder:
     """``BatchedSpeculativeDecoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``.
 
-    ``policy`` (chain and block shapes): an object with ``choose(batch_size, previous) -> k`` (0 =
-    a plain step, the same step as plain decoding's; ``previous``: each row's last step's
-    (drafted, accepted), None before its first) and ``observe(batch_size, k, accepted,
+    ``policy`` (chain and block shapes): an object with ``choose(batch_size, previous, lengths) -> k``
+    (0 = a plain step, the same step as plain decoding's; ``previous``: each row's last step's
+    (drafted, accepted), None before its first; ``lengths``: the tokens each row holds in the KV
+    cache) and ``observe(batch_size, k, accepted,
     draft_seconds, step_seconds)``, asked at every step (``draft_seconds`` is None when the
     drafting included catching up on earlier plain steps; ``step_seconds``: the rest of the
     step); without one every step drafts ``shape.k``."""
@@ -442,7 +443,7 @@ class BatchedSpeculativeDecoder:
             step_start, drafted_before = clock(), draft.seconds
             step_shape = shape
             if policy is not None:
-                k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows])
+                k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows], list(cache.lengths))
                 step_shape = type(shape)(k) if k > 0 else None
                 asked.append(k)
             # drafting after plain steps first catches up on them: not what k positions cost

@@ -13,7 +13,7 @@ import torch
 
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
-from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
+from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost, attended_context
 from draftlab.inference.batch_eval import Speculation, compare_batches, evaluate_batches, parse_batch_sizes, speedup_interval
 from draftlab.inference.decoder import BatchedSpeculativeDecoder, _cache_slots, generate_plain, generate_plain_batch
 from draftlab.inference.ngram import NgramProposer
@@ -227,7 +227,7 @@ def test_batched_sampling_preserves_each_rows_distribution(tiny_llama):
 
 # ---------------------------------------------------------------------- adaptive draft length
 def _cost(verify_per_token):
-    return VerifyCost({(1, k): 1.0 + verify_per_token * k for k in range(4)})
+    return VerifyCost({(1, k, 64): 1.0 + verify_per_token * k for k in range(4)})
 
 
 def test_adaptive_policy_follows_cost_and_acceptance():
@@ -275,6 +275,9 @@ def test_adaptive_policy_probes_until_acceptance_is_known():
     few rows: the optimistic bound still allows > 0.5, so the policy probes k = 1; on many rows
     it stops probing for good."""
     policy = AdaptiveDraftLength(_cost(0.5), max_k=1)
+    for _ in range(4):  # first the plain steps it has not timed (within the 10 % of step noise)
+        assert policy.choose(1) == 0
+        policy.observe(1, 0, [0], step_seconds=1.0)
     assert policy.choose(1) == 1  # nothing seen yet: probe
     policy.observe(1, 1, [1, 1, 0, 0, 0])
     assert policy.choose(1) == 1
@@ -282,29 +285,67 @@ def test_adaptive_policy_probes_until_acceptance_is_known():
     assert [policy.choose(1) for _ in range(10)] == [0] * 10
 
 
+def test_verify_cost_follows_batch_size_and_context():
+    cost = VerifyCost({(b, 0, c): b * (1.0 if c == 64 else 2.0) for b in (1, 4) for c in (64, 1024)})
+    assert cost(1, 0, 544) == pytest.approx(1.5) and cost(1, 0, 10) == cost(1, 0) == 1.0
+    assert cost(1, 0, 1984) == pytest.approx(3.0)  # above the measured contexts: linear, as attention reads
+    assert cost(2, 0, 64) == pytest.approx(2.0) and cost(8, 0, 1024) == pytest.approx(16.0)
+    # rows attend in groups over the group's longest row: one 1,000-token row beside three short
+    # ones costs its own span, not four times it
+    assert attended_context([1000, 10, 10, 10], 0) == pytest.approx((1001 + 3 * 11) / 4 - 1)
+    assert attended_context([500, 500], 1) == 500
+
+
 def test_adaptive_policy_adds_what_steps_measured_beyond_the_model():
-    """Steps that cost 1 s more than the start-up model, plain and drafting alike (a long
-    context read by every forward, whatever k), make a draft of alpha 0.45 pay: 1.45 / 2.5 >
-    1 / 2. Drafting steps that cost more than the model on their own (bookkeeping) make it
-    not pay again."""
+    """Steps that cost 1 s more than the start-up model, plain and drafting alike (the batch's
+    real context, read by every forward whatever k), make a draft of alpha 0.45 pay: 1.45 / 2.5 >
+    1.05 / 2. Drafting steps that cost 1 s more than the plain steps beside them (bookkeeping)
+    make it not pay again."""
     policy = AdaptiveDraftLength(_cost(0.5), max_k=1, confidence=0.0)
-    policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0, step_seconds=1.5)
-    policy.observe(1, 0, [0], step_seconds=1.0)
-    assert policy.choose(1) == 0
-    for _ in range(8):
+    policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0)
+    plain, draft = policy.rates(1, {"pooled": 1}, policy.alpha)
+    assert draft < plain  # the model alone: 1.45 / 1.5 < 1.05
+    for _ in range(4):
         policy.observe(1, 0, [0], step_seconds=2.0)
         policy.observe(1, 1, [], step_seconds=2.5)
+    assert policy.level(1) == pytest.approx(1.0) and policy.drafting_extra(1) == pytest.approx(0.0)
     assert policy.target_seconds(1, 0) == pytest.approx(2.0) and policy.choose(1) == 1
-    for _ in range(8):
+    for _ in range(8):  # the drafting extra is the median over every pair kept
+        policy.observe(1, 0, [0], step_seconds=2.0)
         policy.observe(1, 1, [], step_seconds=3.5)
+    assert policy.drafting_extra(1) == pytest.approx(1.0) and policy.level(1) == pytest.approx(1.0)
     assert policy.target_seconds(1, 1) == pytest.approx(3.5) and policy.choose(1) == 0
-    policy.observe(1, 1, [], step_seconds=9.0)  # one step slowed by other work: the least recent counts
-    assert policy.target_seconds(1, 1) == pytest.approx(3.5)
+    policy.observe(1, 0, [0], step_seconds=9.0)  # one step slowed by other work: the least recent counts
+    assert policy.target_seconds(1, 0) == pytest.approx(2.0)
     # batch sizes 3-4 share what they measure, apart from 1 and 2; unmeasured adds nothing
     policy.observe(3, 0, [0] * 3, step_seconds=1.7)
     assert policy.target_seconds(3, 0) == pytest.approx(1.7) and policy.target_seconds(2, 0) == policy.cost(2, 0)
     assert policy.target_seconds(4, 0) == pytest.approx(policy.cost(4, 0) + 1.7 - policy.cost(3, 0))
-    assert policy.target_seconds(8, 1) == pytest.approx(1.5 * 8)  # the model alone (extrapolated from B=1)
+    # what batch 1 measured is forgotten after ``memory`` steps elsewhere (the batch's context has
+    # changed since), but not the drafting extra, which two kinds of step side by side measured
+    for _ in range(policy.memory):
+        policy.observe(3, 0, [0] * 3, step_seconds=1.7)
+    assert policy.level(1) == 0.0 and policy.drafting_extra(1) == pytest.approx(1.0)
+
+
+def test_adaptive_policy_measures_the_other_kind_of_step_near_break_even():
+    """A draft of alpha 0.5 with a verified token at 0.45 of a step predicts 1.5 / 1.45 = 1.03x
+    a plain step: within the 5 % that plain decoding keeps, and within one step's noise (10 %),
+    so the policy decodes plain but first measures drafting steps, window / 2 of them; a draft
+    that pays 1.5 / 1.2 = 1.25x is taken."""
+    def run(**options):
+        policy = AdaptiveDraftLength(_cost(0.45), max_k=1, confidence=0.0, window=8, **options)
+        policy.observe(1, 1, [1] * 500 + [0] * 500, draft_seconds=0.0)
+        chosen = []
+        for _ in range(12):
+            chosen.append(policy.choose(1))
+            policy.observe(1, chosen[-1], [0] * chosen[-1], step_seconds=policy.cost(1, chosen[-1]))
+        return chosen
+
+    half = 8 // 2  # window / 2
+    assert run() == [1] * half + [0] * (12 - half)
+    assert run(min_gain=0.0) == [0] * half + [1] * (12 - half)  # without it the 3 % gain is drafted
+    assert AdaptiveDraftLength(_cost(0.2), max_k=1, confidence=0.0).choose(1, [(1, 0)]) == 1
 
 
 def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, prompts, monkeypatch):
@@ -326,7 +367,7 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
 
 
 def test_adaptive_decoding_stays_lossless(tiny_llama, prompts, alone):
-    policy = AdaptiveDraftLength(VerifyCost.measure(tiny_llama, [1, 3], 3, context=16, repeats=1), 3)
+    policy = AdaptiveDraftLength(VerifyCost.measure(tiny_llama, [1, 3], 3, contexts=(8, 16), repeats=1), 3)
     res = BatchedSpeculativeDecoder(tiny_llama, _oracle(tiny_llama, prompts, alone)).generate(
         prompts, N_NEW, Chain(3), policy=policy)
     assert [r.tokens for r in res.rows] == alone
@@ -348,7 +389,7 @@ def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
         assert split == pytest.approx(e["decode_time_s"], rel=1e-6) and e["prefill_s"] > 0
         assert set(e["draft_lengths"]) <= {"0", "1", "2", "3"} and len(e["alpha_estimate"]) == 3
     assert rep["entries"][1]["batched_vs_alone"] == "6/6"
-    assert set(rep["verify_cost_s"]) == {f"{b}x{k}" for b in (1, 4) for k in range(1, 5)}
+    assert set(rep["verify_cost_s"]) == {f"{b}x{k}@{c}" for b in (1, 4) for k in range(1, 5) for c in (64, 1024)}
     # at least 3 timed groups per batch size: batch 4 of 6 prompts (2 groups) decodes them twice
     rep = evaluate_batches(tiny_llama, NgramProposer(), ps, Chain(2), [1, 4], max_new_tokens=4, min_groups=3)
     one, four = rep["entries"]
