@@ -353,7 +353,7 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
     import draftlab.inference.decoder as decoder_module
 
     class Never:
-        def choose(self, B, previous):
+        def choose(self, B, previous, lengths):
             return 0
 
         def observe(self, *args):
