@@ -216,7 +216,8 @@ class AdaptiveDraftLength:
         """A step's seconds apart from drafting: the start-up model, plus what recent steps in
         B's range added to it (:meth:`level`), plus what a drafting step adds beyond a plain one
         (:meth:`drafting_extra`)."""
-        return self.model_seconds(B, k, lengths) + self.level(B) + (self.drafting_extra(B) if k else 0.0)
+        extra = self.drafting_extra(B)
+        return self.model_seconds(B, k, lengths) + self.level(B, extra) + (extra if k else 0.0)
 
     def drafting_extra(self, B: int) -> float:
         """What a drafting step adds beyond a plain one in B's range, drafting apart (the accept
@@ -226,13 +227,13 @@ class AdaptiveDraftLength:
         pairs = [(b[2] - a[2]) * (1 if b[1] else -1) for a, b in zip(steps, steps[1:]) if a[1] != b[1] and b[0] == a[0] + 1]
         return statistics.median(pairs) if pairs else 0.0
 
-    def level(self, B: int) -> float:
+    def level(self, B: int, extra: float | None = None) -> float:
         """What the last ``window`` steps in B's range, within the last ``memory`` steps, added
         to the model beyond :meth:`drafting_extra`: the batch's real context (its rows'
         lengths differ, so attention runs in several calls; the model was measured on even
         lengths) and the machine's speed drift, alike for both kinds. The least of them: one
         step slowed by other work must not keep the policy from drafting (0 before any)."""
-        extra = self.drafting_extra(B)
+        extra = self.drafting_extra(B) if extra is None else extra  # the caller's, when it has it
         recent = [x - (extra if drafted else 0.0) for step, drafted, x in self.residuals.get(self._range(B), [])[-self.window:]
                   if step > self.steps - self.memory]
         return min(recent) if recent else 0.0
