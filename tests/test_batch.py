@@ -292,8 +292,8 @@ def test_verify_cost_follows_batch_size_and_context():
     assert cost(2, 0, 64) == pytest.approx(2.0) and cost(8, 0, 1024) == pytest.approx(16.0)
     # rows attend in groups over the group's longest row: one 1,000-token row beside three short
     # ones costs its own span, not four times it
-    assert attended_context([1000, 10, 10, 10], 0) == pytest.approx((1001 + 3 * 11) / 4 - 1)
-    assert attended_context([500, 500], 1) == 500
+    assert attended_context([1000, 10, 10, 10]) == pytest.approx((1001 + 3 * 11) / 4 - 1)
+    assert attended_context([500, 500]) == 500
 
 
 def test_adaptive_policy_adds_what_steps_measured_beyond_the_model():
