@@ -154,7 +154,7 @@ class AdaptiveDraftLength:
         self.steps = 0  # steps observed
         self.chosen: list[int] = []
         self._contexts: list[str] = []  # the rows' contexts at the last choose
-        self._model: tuple[int, list[float]] | None = None  # B and the model's seconds per k at the last choose
+        self._context: tuple[int, float | None] = (0, None)  # B and the attended context at the last choose
         # what the history says, per batch-size range, kept until the next observation: rescanning
         # it for every k and estimate made choose and observe cost 1.3 ms a step at batch 16 on
         # the AMD EPYC (0.6 % of the step; 0.3 ms with this and one attention grouping per step)
@@ -225,17 +225,12 @@ class AdaptiveDraftLength:
         """Batch sizes 1, 2, 3-4, 5-8, ... share what they measure (the smallest power of 2 >= B)."""
         return 1 << (B - 1).bit_length()
 
-    def model_seconds(self, B: int, k: int, lengths: list[int] | None = None) -> float:
-        """The start-up model's seconds for a step of B rows drafting k over a cache of
-        ``lengths`` tokens per row (None: the least context measured)."""
-        return self.cost(B, k, attended_context(lengths) if lengths else None)
-
-    def target_seconds(self, B: int, k: int, lengths: list[int] | None = None, model: float | None = None) -> float:
-        """A step's seconds apart from drafting: the start-up model (``model``, when the caller
-        has it), plus what recent steps in B's range added to it (:meth:`level`), plus what a
-        drafting step adds beyond a plain one (:meth:`drafting_extra`)."""
-        model = self.model_seconds(B, k, lengths) if model is None else model
-        return model + self.level(B) + (self.drafting_extra(B) if k else 0.0)
+    def target_seconds(self, B: int, k: int, context: float | None = None) -> float:
+        """A step's seconds apart from drafting: the start-up model at the attended ``context``
+        (:func:`attended_context`; None: the least measured), plus what recent steps in B's range
+        added to it (:meth:`level`), plus what a drafting step adds beyond a plain one
+        (:meth:`drafting_extra`)."""
+        return self.cost(B, k, context) + self.level(B) + (self.drafting_extra(B) if k else 0.0)
 
     def drafting_extra(self, B: int) -> float:
         """What a drafting step adds beyond a plain one in B's range, drafting apart (the accept
@@ -251,17 +246,15 @@ class AdaptiveDraftLength:
         step slowed by other work must not keep the policy from drafting (0 before any)."""
         return self._summary(B)[1]
 
-    def predicted_seconds(self, B: int, k: int, lengths: list[int] | None = None) -> float:
-        return self.target_seconds(B, k, lengths) + self.draft_seconds(B, k)
+    def predicted_seconds(self, B: int, k: int, context: float | None = None) -> float:
+        return self.target_seconds(B, k, context) + self.draft_seconds(B, k)
 
-    def rates(self, B: int, rows: dict[str, int], alpha, lengths: list[int] | None = None,
-              seconds: list[float] | None = None) -> list[float]:
+    def rates(self, B: int, rows: dict[str, int], alpha, context: float | None = None) -> list[float]:
         """Expected tokens per second of each k = 0..max_k for ``rows`` (context -> rows in it,
-        acceptance ``alpha(context)``) over a cache of ``lengths`` (or steps of ``seconds`` per
-        k, predicted by the caller); plain steps' (k = 0) counted ``min_gain`` higher."""
+        acceptance ``alpha(context)``) at the attended ``context``; plain steps' (k = 0) counted
+        ``min_gain`` higher."""
         alphas = {c: alpha(c) for c in rows}
-        seconds = seconds or [self.predicted_seconds(B, k, lengths) for k in range(self.max_k + 1)]
-        return [sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items()) / seconds[k]
+        return [sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items()) / self.predicted_seconds(B, k, context)
                 * (1 + self.min_gain if k == 0 else 1) for k in range(self.max_k + 1)]
 
     def choose(self, B: int, previous: list[tuple[int, int] | None] | None = None,
@@ -271,14 +264,11 @@ class AdaptiveDraftLength:
         cache holds (None: the least context the start-up model measured)."""
         self._contexts = [self.context(p) for p in (previous or [None] * B)]
         lengths = lengths if lengths is not None and len(lengths) == B else None
-        context = attended_context(lengths) if lengths else None
-        model = [self.cost(B, k, context) for k in range(self.max_k + 1)]
-        self._model = (B, model)
-        seconds = [self.target_seconds(B, k, model=m) + self.draft_seconds(B, k) for k, m in enumerate(model)]
+        self._context = (B, attended_context(lengths) if lengths else None)
         rows = {c: self._contexts.count(c) for c in set(self._contexts)}
-        rates = self.rates(B, rows, self.alpha, seconds=seconds)
+        rates = self.rates(B, rows, self.alpha, self._context[1])
         k = max(range(self.max_k + 1), key=rates.__getitem__)
-        optimistic = self.rates(B, rows, self.optimistic_alpha, seconds=seconds)
+        optimistic = self.rates(B, rows, self.optimistic_alpha, self._context[1])
         if k < self.max_k and max(range(self.max_k + 1), key=optimistic.__getitem__) > k:
             k += 1  # probe: the next position might pay
         # the other kind of step (plain or drafting), while it was measured in fewer than
@@ -297,9 +287,8 @@ class AdaptiveDraftLength:
         the step's (the target's forward, the accept kernel, the bookkeeping)."""
         if step_seconds is not None:
             steps = self.residuals.setdefault(self._range(B), [])
-            model = self._model[1][k] if self._model is not None and self._model[0] == B and k <= self.max_k \
-                else self.model_seconds(B, k)
-            steps.append((self.steps, k > 0, step_seconds - model))
+            context = self._context[1] if self._context[0] == B else None
+            steps.append((self.steps, k > 0, step_seconds - self.cost(B, k, context)))
             del steps[: -self.history]
         self.steps += 1
         self._memo.clear()
