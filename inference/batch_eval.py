@@ -6,7 +6,9 @@ speculative back to back on the same group (the order rotating between groups), 
 batched decoder (:mod:`draftlab.inference.decoder`) for both; :func:`compare_batches` measures
 several speculative configurations against one plain baseline that way (bench/batch.py). Per
 batch size: plain and speculative tokens/s (all rows' tokens over the groups' decoding time: the
-prefill, the same forward in both, is left out and reported apart), speedup with a bootstrap
+prefill, the same forward in both, is left out and reported apart; each prompt's is computed
+once and reused, :class:`~draftlab.inference.decoder.PromptCache`, so the prefill seconds
+reported are the copy and the drafter's pass over the prompts), speedup with a bootstrap
 interval over the groups, tau and alpha_j,
 the split of the speculative time into prefill, draft, verify and the rest, and two greedy
 checks: each row against plain batched decoding of the same group (must match: decoding is
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
-from draftlab.inference.decoder import BatchedSpeculativeDecoder, generate_plain_batch
+from draftlab.inference.decoder import BatchedSpeculativeDecoder, PromptCache, generate_plain_batch
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.proposer import Block, Chain
 
@@ -83,8 +85,9 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
         if spec.adaptive and not isinstance(spec.shape, (Chain, Block)):
             raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {spec.shape.method}")
     decoders = {label: BatchedSpeculativeDecoder(target, s.proposer, backend=backend) for label, s in speculations.items()}
+    # every prompt is decoded once per configuration and batch size: its prefill once
     opts = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                eos_token_id=eos_token_id)
+                eos_token_id=eos_token_id, prompt_cache=PromptCache(target))
     ids = [p.prompt_ids for p in prompts]
     greedy = temperature == 0.0
     # warm-up, untimed: allocator, GEMM choice for each row count, drafter copies

@@ -171,6 +171,38 @@ def test_batched_greedy_equals_plain(tiny_llama, prompts, alone, shape):
         torch.testing.assert_close(logged, full[:, : logged.shape[1]], atol=1e-4, rtol=1e-4)
 
 
+def test_prompt_cache_gives_what_the_prefill_gives(tiny_llama, tiny_target_dirs, prompts, alone):
+    """A prompt decoded again reuses its prefill: same tokens, same hidden states handed to the
+    proposer; a prefill without the layers a proposer needs is computed again; least recently
+    used prefills leave beyond the byte budget; another target's cache is refused."""
+    from draftlab.inference.decoder import PromptCache
+    from draftlab.models.target import Target
+
+    cache = PromptCache(tiny_llama)
+    for _ in range(2):
+        assert [r.tokens for r in generate_plain_batch(tiny_llama, prompts, N_NEW, prompt_cache=cache).rows] == alone
+    assert (cache.misses, cache.hits) == (3, 3)
+    oracle = _oracle(tiny_llama, prompts, alone)
+    forks = []
+    oracle.batched = lambda n, shape: _record(Proposer.batched(oracle, n, shape), forks)
+    dec = BatchedSpeculativeDecoder(tiny_llama, oracle)
+    for n in range(2):  # plain decoding kept no hidden states: the first call computes them again
+        assert [r.tokens for r in dec.generate(prompts, N_NEW, Chain(3), prompt_cache=cache).rows] == alone
+        assert (cache.misses, cache.hits) == (6, 3 + 3 * n)
+    assert len(forks) == 6
+    for prop, p in zip(forks, prompts + prompts):  # both calls handed each proposer the prompt's own hidden states
+        full = tiny_llama(torch.tensor([p]), layers=[2], logits=None).hidden[2]
+        torch.testing.assert_close(prop.hidden_log[0][2], full, atol=1e-4, rtol=1e-4)
+    one = max(e.bytes for e in cache._kept.values())
+    small = PromptCache(tiny_llama, max_bytes=one)
+    generate_plain_batch(tiny_llama, prompts, 2, prompt_cache=small)
+    assert len(small._kept) == 1 and small.bytes <= one
+    assert list(small._kept) == [tuple(prompts[-1])]  # the last put stays, the others left
+    other = Target.load(str(tiny_target_dirs["qwen3"]))
+    with pytest.raises(ValueError, match="another target"):
+        generate_plain_batch(other, prompts, 2, prompt_cache=cache)
+
+
 def _record(rows, sink):
     sink.extend(rows.rows)
     return rows
