@@ -154,7 +154,8 @@ class AdaptiveDraftLength:
         self.steps = 0  # steps observed
         self.chosen: list[int] = []
         self._contexts: list[str] = []  # the rows' contexts at the last choose
-        self._context: tuple[int, float | None] = (0, None)  # B and the attended context at the last choose
+        # at the last choose: B, the rows the forward runs and the attended context
+        self._context: tuple[int, int, float | None] = (0, 0, None)
         # what the history says, per batch-size range, kept until the next observation: rescanning
         # it for every k and estimate made choose and observe cost 1.3 ms a step at batch 16 on
         # the AMD EPYC (0.6 % of the step; 0.3 ms with this and one attention grouping per step)
@@ -246,36 +247,39 @@ class AdaptiveDraftLength:
         step slowed by other work must not keep the policy from drafting (0 before any)."""
         return self._summary(B)[1]
 
-    def predicted_seconds(self, B: int, k: int, context: float | None = None) -> float:
-        return self.target_seconds(B, k, context) + self.draft_seconds(B, k)
+    def predicted_seconds(self, B: int, k: int, context: float | None = None, run: int | None = None) -> float:
+        """A step of B rows drafting k each, whose forward runs ``run`` rows (default B)."""
+        return self.target_seconds(run or B, k, context) + self.draft_seconds(B, k)
 
-    def rates(self, B: int, rows: dict[str, int], alpha, context: float | None = None) -> list[float]:
+    def rates(self, B: int, rows: dict[str, int], alpha, context: float | None = None, run: int | None = None) -> list[float]:
         """Expected tokens per second of each k = 0..max_k for ``rows`` (context -> rows in it,
-        acceptance ``alpha(context)``) at the attended ``context``; plain steps' (k = 0) counted
-        ``min_gain`` higher."""
+        acceptance ``alpha(context)``) at the attended ``context``, the forward running ``run``
+        rows; plain steps' (k = 0) counted ``min_gain`` higher."""
         alphas = {c: alpha(c) for c in rows}
-        return [sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items()) / self.predicted_seconds(B, k, context)
+        return [sum(n * self.expected_tokens(k, alphas[c]) for c, n in rows.items()) / self.predicted_seconds(B, k, context, run)
                 * (1 + self.min_gain if k == 0 else 1) for k in range(self.max_k + 1)]
 
     def choose(self, B: int, previous: list[tuple[int, int] | None] | None = None,
                lengths: list[int] | None = None) -> int:
         """The draft length of the next step of B rows; ``previous``: each row's last step's
         (drafted, accepted), None before its first; ``lengths``: the tokens each row of the KV
-        cache holds (None: the least context the start-up model measured)."""
+        cache holds (None: the least context the start-up model measured). The forward runs
+        every row of the cache, so its cost is that of ``len(lengths)`` rows: finished rows stay
+        in it, idle, until half of it has finished."""
         self._contexts = [self.context(p) for p in (previous or [None] * B)]
-        lengths = lengths if lengths is not None and len(lengths) == B else None
-        self._context = (B, attended_context(lengths) if lengths else None)
+        run = len(lengths) if lengths else B
+        self._context = (B, run, attended_context(lengths) if lengths else None)
         rows = {c: self._contexts.count(c) for c in set(self._contexts)}
-        rates = self.rates(B, rows, self.alpha, self._context[1])
+        rates = self.rates(B, rows, self.alpha, self._context[2], run)
         k = max(range(self.max_k + 1), key=rates.__getitem__)
-        optimistic = self.rates(B, rows, self.optimistic_alpha, self._context[1])
+        optimistic = self.rates(B, rows, self.optimistic_alpha, self._context[2], run)
         if k < self.max_k and max(range(self.max_k + 1), key=optimistic.__getitem__) > k:
             k += 1  # probe: the next position might pay
         # the other kind of step (plain or drafting), while it was measured in fewer than
         # window / 2 steps in this range and its rate is within one step's timing noise of the
         # chosen: measure it (a decision near break-even taken on one noisy sample would stand)
         rival = max(range(1, self.max_k + 1), key=rates.__getitem__) if k == 0 else 0
-        if self.measured(rival > 0, B) < self.window // 2 and rates[rival] >= (1 - self.step_noise) * rates[k]:
+        if self.measured(rival > 0, run) < self.window // 2 and rates[rival] >= (1 - self.step_noise) * rates[k]:
             k = rival
         self.chosen.append(k)
         return k
@@ -286,9 +290,9 @@ class AdaptiveDraftLength:
         seconds (None: not representative, e.g. a catch-up after plain steps) and the rest of
         the step's (the target's forward, the accept kernel, the bookkeeping)."""
         if step_seconds is not None:
-            steps = self.residuals.setdefault(self._range(B), [])
-            context = self._context[1] if self._context[0] == B else None
-            steps.append((self.steps, k > 0, step_seconds - self.cost(B, k, context)))
+            run, context = self._context[1:] if self._context[0] == B else (B, None)
+            steps = self.residuals.setdefault(self._range(run), [])
+            steps.append((self.steps, k > 0, step_seconds - self.cost(run, k, context)))
             del steps[: -self.history]
         self.steps += 1
         self._memo.clear()

@@ -317,6 +317,20 @@ def test_adaptive_policy_probes_until_acceptance_is_known():
     assert [policy.choose(1) for _ in range(10)] == [0] * 10
 
 
+def test_adaptive_policy_prices_the_rows_the_forward_runs():
+    """Finished rows stay in the cache, idle, until half of it has finished, and the forward runs
+    them too: two rows decoding in a cache of eight cost a forward of eight rows. A draft of
+    alpha 0.9 costing 0.5 of a row-step pays at batch 2 (1.9 / 1.5 > 1.05), not in a forward of 8
+    rows where it costs 2 row-steps."""
+    cost = VerifyCost({(b, k, 64): b * (1.0 + (0.5 if b <= 2 else 2.0) * k) for b in (2, 8) for k in range(2)})
+    policy = AdaptiveDraftLength(cost, max_k=1, confidence=0.0)
+    policy.observe(2, 1, [1] * 90 + [0] * 10, draft_seconds=0.0)
+    assert policy.choose(2, [None] * 2, [10, 12]) == 1
+    assert policy.choose(2, [None] * 2, [10, 0, 12, 0, 0, 0, 0, 0]) == 0
+    policy.observe(2, 0, [0, 0], step_seconds=8.0)  # measured against the model of 8 rows
+    assert policy.residuals == {8: [(1, False, 0.0)]}
+
+
 def test_verify_cost_follows_batch_size_and_context():
     cost = VerifyCost({(b, 0, c): b * (1.0 if c == 64 else 2.0) for b in (1, 4) for c in (64, 1024)})
     assert cost(1, 0, 544) == pytest.approx(1.5) and cost(1, 0, 10) == cost(1, 0) == 1.0
