@@ -218,7 +218,7 @@ def _cache_slots(prompts) -> list[int]:
 
 
 def _prefill(target, prompts, slots, layers, cache, sampling: Sampling, verify: _Stopwatch,
-             prompt_cache: "PromptCache | None" = None):
+             prompt_cache: PromptCache | None = None):
     """Each prompt in its own forward, into its row ``slots[r]`` of ``cache`` (padding a batch
     of a 33- and a 2544-token prompt to one forward would compute the short one's padding), or
     copied from ``prompt_cache`` when it holds that prompt; returns each prompt's first token and
@@ -237,10 +237,9 @@ def _prefill(target, prompts, slots, layers, cache, sampling: Sampling, verify: 
         else:
             cache.k[:, s, :, :n] = done.k
             cache.v[:, s, :, :n] = done.v
+        cache.lengths[s] = n  # what the row view filled or the copy wrote
         last.append(done.logits)
         hidden.append({i: done.hidden[i] for i in layers})
-    for p, s in zip(prompts, slots):
-        cache.lengths[s] = p.numel()  # what the row views filled
     return _next_tokens(torch.stack(last), sampling), hidden
 
 
