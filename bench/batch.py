@@ -8,7 +8,8 @@ draft lengths, and the adaptive draft length.
 RUN_OR_CHECKPOINT defaults to runs/smollm2-135m-eagle3 (the README's main job). Its target and
 held-out ShareGPT split come from the checkpoint's recipe. ``inference.batch_eval.compare_batches``
 decodes, for each batch size, the prompts in groups of B, each group by plain decoding and by
-every configuration in turn, the order rotating by group (greedy; the prompts again until at
+every configuration in turn, in an order balanced over the groups for what ran just before
+(``crossover_orders``; greedy; the prompts again until at
 least ``--min-groups`` groups are timed, so batch 16 is not one sample): every speedup is over
 the same plain decoding of the same groups. Configurations: n-gram prompt lookup
 (chain of max k), the drafter's chain at each fixed k, and the adaptive policy (k chosen per
@@ -122,7 +123,7 @@ def run(argv, args) -> int:
 
 
 def tables(results: dict, batch_sizes: list[int]) -> str:
-    from draftlab.inference.batch_eval import speedup_interval
+    from draftlab.inference.batch_eval import crossover_orders, speedup_interval
 
     head = "| configuration | batch | tok/s | plain tok/s | speedup | τ | draft % | verify % | other % | greedy match | batched = alone | draft lengths (k: steps) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -154,8 +155,10 @@ def tables(results: dict, batch_sizes: list[int]) -> str:
         summary = ("\nAdaptive against plain decoding: " + ("at or above 1.00× at every batch size" if not slower
                    else f"below 1.00× at B = {', '.join(map(str, slower))}") + ". Against the best fixed k, on the same groups:\n\n"
                    + "\n".join(f"- {m}" for m in margins) + "\n")
+    cycle = len(crossover_orders(len(results) + 1))
     note = ("\nEvery configuration decoded the same groups of prompts, each group by plain decoding and by every "
-            "configuration in turn (order rotating by group); brackets: 90 % bootstrap interval over the groups.\n")
+            "configuration in turn (orders balanced for what ran just before: each configuration ran right after each "
+            f"other equally often over every {cycle} groups); brackets: 90 % bootstrap interval over the groups.\n")
     return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + note + summary
 
 

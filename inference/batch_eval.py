@@ -2,7 +2,7 @@
 recipe).
 
 For each batch size B the prompts are decoded in consecutive groups of B, plain and
-speculative back to back on the same group (the order rotating between groups), with the
+speculative back to back on the same group (in a crossover order, :func:`crossover_orders`), with the
 batched decoder (:mod:`draftlab.inference.decoder`) for both; :func:`compare_batches` measures
 several speculative configurations against one plain baseline that way (bench/batch.py). Per
 batch size: plain and speculative tokens/s (all rows' tokens over the groups' decoding time: the
@@ -74,8 +74,8 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
                     eos_token_id=None, backend: str = "auto", progress=None, min_groups: int = 1) -> dict[str, dict]:
     """A ``batches`` section per speculative configuration (label -> section), all against one
     plain baseline: each group of B prompts is decoded by plain decoding and by every
-    configuration back to back, the order rotating from group to group, so the configurations
-    are compared on the same groups under the same machine state. ``min_groups``: decode the
+    configuration back to back, in the orders of :func:`crossover_orders` from group to group, so
+    the configurations are compared on the same groups under the same machine state. ``min_groups``: decode the
     prompts again (same groups) until each batch size has timed at least that many groups:
     large batch sizes have few groups, and one timing is one sample of the machine's noise."""
     if not prompts:
@@ -108,11 +108,12 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
         plain_outputs[B] = []
         starts = list(range(0, len(ids), B))
         starts *= -(-min_groups // len(starts))  # ceil: whole passes over the prompts
-        order = [None, *speculations]  # None: plain decoding
+        labels = [None, *speculations]  # None: plain decoding
+        orders = crossover_orders(len(labels))
         for g, start in enumerate(starts):
             group = ids[start : start + B]
             done = {}
-            for label in order[g % len(order):] + order[: g % len(order)]:
+            for label in (labels[i] for i in orders[g % len(orders)]):
                 if label is None:
                     done[None] = generate_plain_batch(target, group, seed=seed + start, **opts)
                 else:
@@ -142,6 +143,20 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
                 "entries": [e.to_dict() for e in entries[label]]}
         for label, s in speculations.items()
     }
+
+
+def crossover_orders(n: int) -> list[list[int]]:
+    """Orders of n configurations, one per group in turn, balanced for what ran just before
+    (a Williams design): over the orders each configuration runs once at every position and right
+    after every other configuration equally often (n orders for even n, 2n for odd). Why: a
+    decoding can be slowed by the one before it (at batch 16 on the AMD EPYC plain decoding ran
+    0.9 % +- 1.1 % slower right after fixed k = 3 than after plain), and with the orders rotated
+    the adaptive policy always ran right after k = 3 and plain decoding after the adaptive one."""
+    first = [0]
+    for j in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    square = [[(x + i) % n for x in first] for i in range(n)]
+    return square if n % 2 == 0 else square + [row[::-1] for row in square]
 
 
 class _Entry:

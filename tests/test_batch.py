@@ -14,7 +14,8 @@ import torch
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost, attended_context
-from draftlab.inference.batch_eval import Speculation, compare_batches, evaluate_batches, parse_batch_sizes, speedup_interval
+from draftlab.inference.batch_eval import (Speculation, compare_batches, crossover_orders, evaluate_batches, parse_batch_sizes,
+                                          speedup_interval)
 from draftlab.inference.decoder import BatchedSpeculativeDecoder, _cache_slots, generate_plain, generate_plain_batch
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.prompts import EvalPrompt
@@ -443,8 +444,8 @@ def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
 
 
 def test_compare_batches_measures_every_configuration_against_one_plain_decoding(tiny_llama, prompts, alone, monkeypatch):
-    """Each group is decoded once by plain decoding and once by each configuration, the order
-    rotating by group; every configuration's speedup is over that one plain decoding."""
+    """Each group is decoded once by plain decoding and once by each configuration, in the
+    crossover orders group by group; every configuration's speedup is over that one plain decoding."""
     import draftlab.inference.batch_eval as batch_eval
 
     calls = []
@@ -456,20 +457,30 @@ def test_compare_batches_measures_every_configuration_against_one_plain_decoding
     ps = [EvalPrompt("c", p, str(i)) for i, p in enumerate(prompts)]
     specs = {"ngram": Speculation(NgramProposer(), Chain(2)),
              "oracle adaptive": Speculation(_oracle(tiny_llama, prompts, alone), Chain(3), adaptive=True)}
-    res = compare_batches(tiny_llama, specs, ps, [1, 3], max_new_tokens=N_NEW, min_groups=2)
-    timed = calls[-3 * (3 + 2):]  # batch 1: 3 groups, batch 3: the one group twice; 3 decodings each
-    assert [timed[3 * g : 3 * g + 3] for g in range(3)] == [["plain", "ngram", "row-oracle"],
-                                                          ["ngram", "row-oracle", "plain"],
-                                                          ["row-oracle", "plain", "ngram"]]
-    for b, n_groups in ((0, 3), (1, 2)):
+    res = compare_batches(tiny_llama, specs, ps, [1, 3], max_new_tokens=N_NEW, min_groups=4)
+    timed = calls[-3 * (6 + 4):]  # batch 1: the 3 groups twice, batch 3: the one group 4 times; 3 decodings each
+    names = ["plain", "ngram", "row-oracle"]
+    assert [timed[3 * g : 3 * g + 3] for g in range(6)] == [[names[i] for i in o] for o in crossover_orders(3)]
+    assert timed[3 * 3 : 3 * 4] == ["row-oracle", "ngram", "plain"]  # not a rotation: plain also runs after ngram
+    for b, n_groups in ((0, 6), (1, 4)):
         ngram, oracle = res["ngram"]["entries"][b], res["oracle adaptive"]["entries"][b]
         assert ngram["baseline_tokens_per_s"] == oracle["baseline_tokens_per_s"]
         assert [g[2:] for g in ngram["groups"]] == [g[2:] for g in oracle["groups"]] and len(oracle["groups"]) == n_groups
         for e in (ngram, oracle):
             lo, hi = e["speedup_interval"]
-            assert lo <= e["speedup"] <= hi and e["greedy_match"] == ("3/3", "6/6")[b]
+            assert lo <= e["speedup"] <= hi and e["greedy_match"] == ("6/6", "12/12")[b]
     assert res["oracle adaptive"]["verify_cost_s"] and res["ngram"]["verify_cost_s"] is None
     assert "alpha_by_context" in res["oracle adaptive"]["entries"][0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_crossover_orders_balance_position_and_predecessor(n):
+    orders = crossover_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n) and all(sorted(o) == list(range(n)) for o in orders)
+    positions = Counter((i, x) for o in orders for i, x in enumerate(o))
+    follows = Counter(pair for o in orders for pair in zip(o, o[1:]))
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
 
 
 def test_speedup_interval_is_a_bootstrap_over_groups():
