@@ -58,9 +58,10 @@ class EagleProposer(Proposer):
     def _extend(self, tokens, hidden):
         n = tokens.shape[1]
         positions = torch.arange(self.pos, self.pos + n, device=tokens.device)[None]
-        h, logits = self.drafter.draft_step(tokens, self.drafter.features(hidden), positions, self.cache)
+        h, _ = self.drafter.draft_step(tokens, self.drafter.features(hidden), positions, self.cache, logits=False)
         self.pos += n
-        self.last_h, self.last_logits = h[:, -1:], logits[0, -1]
+        self.last_h = h[:, -1:]
+        self.last_logits = self.drafter.head(self.last_h)[0, -1]
 
     # ---- chain -------------------------------------------------------------------------
     @torch.no_grad()
@@ -234,11 +235,12 @@ class EagleChains(RowProposers):
         for r, (tokens, hidden) in enumerate(rows):
             cache = d.new_cache()
             positions = torch.arange(tokens.numel(), device=tokens.device)[None]
-            h, logits = d.draft_step(tokens[None], d.features(hidden), positions, cache)
+            h, _ = d.draft_step(tokens[None], d.features(hidden), positions, cache, logits=False)
+            logits = d.head(h[:, -1])
             if self.last_h is None:
                 self.last_h = h.new_zeros(self.n, 1, h.shape[-1])
                 self.last_logits = logits.new_zeros(self.n, logits.shape[-1])
-            self.last_h[r, 0], self.last_logits[r] = h[0, -1], logits[0, -1]
+            self.last_h[r, 0], self.last_logits[r] = h[0, -1], logits[0]
             self.pos[r] = tokens.numel()
             caches.append(cache)
         for i in range(len(self.cache.k)):
@@ -275,11 +277,13 @@ class EagleChains(RowProposers):
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
         # a padding query sees its own slot, so no row of the mask is empty
         mask = torch.cat([old[:, None].expand(n, width, past), (causal & new_valid[:, None]) | torch.eye(width, dtype=torch.bool, device=dev)], 2)
-        h, logits = d.draft_step(ids, x, positions, self.cache, mask)
+        h, _ = d.draft_step(ids, x, positions, self.cache, mask, logits=False)
         self.valid = torch.cat([old, new_valid], 1)
+        index = torch.tensor(rows, device=dev)
+        last = h[index, torch.tensor([counts[r] - 1 for r in rows], device=dev)]  # [rows, H]
+        self.last_h[index, 0], self.last_logits[index] = last, d.head(last)
         for r in rows:
             self.pos[r] += counts[r]
-            self.last_h[r, 0], self.last_logits[r] = h[r, counts[r] - 1], logits[r, counts[r] - 1]
 
     @torch.no_grad()
     def propose(self, shape: Chain) -> list[ChainDraft]:

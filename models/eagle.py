@@ -53,10 +53,12 @@ class EagleBase(Drafter):
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(len(self.layers))
 
-    def draft_step(self, tokens, feats, positions, cache: DraftKVCache, mask=None):
+    def draft_step(self, tokens, feats, positions, cache: DraftKVCache, mask=None, logits: bool = True):
         """Run new positions through the drafter, appending their K/V to ``cache``.
         mask: bool [B, n, cache.length + n] (tree drafting); default causal over cache + new.
-        Returns (output features [B, n, H], logits over the draft vocab [B, n, V_draft])."""
+        Returns (output features [B, n, H], logits over the draft vocab [B, n, V_draft], or None
+        with ``logits=False``: a caller that reads one position's applies :meth:`head` to it; over
+        a catch-up of n tokens the head costs about what the layer does)."""
         n, past = tokens.shape[1], cache.length
         if mask is None and n > 1:
             mask = torch.ones(n, past + n, dtype=torch.bool, device=tokens.device).tril(past)[None]
@@ -69,7 +71,7 @@ class EagleBase(Drafter):
             return attend
 
         h = self.stack(self.embed(tokens), feats, positions, attend_for_layer)
-        return h, self.head(h)
+        return h, self.head(h) if logits else None
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
