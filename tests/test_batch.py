@@ -329,7 +329,7 @@ def test_adaptive_policy_prices_the_rows_the_forward_runs():
     assert policy.choose(2, [None] * 2, [10, 12]) == 1
     assert policy.choose(2, [None] * 2, [10, 0, 12, 0, 0, 0, 0, 0]) == 0
     policy.observe(2, 0, [0, 0], step_seconds=8.0)  # measured against the model of 8 rows
-    assert policy.residuals == {8: [(1, False, 0.0)]}
+    assert policy.residuals == {8: [(1, False, 1.0)]}
 
 
 def test_verify_cost_follows_batch_size_and_context():
@@ -343,36 +343,36 @@ def test_verify_cost_follows_batch_size_and_context():
     assert attended_context([500, 500]) == 500
 
 
-def test_adaptive_policy_adds_what_steps_measured_beyond_the_model():
-    """Steps that cost 1 s more than the start-up model, plain and drafting alike (the batch's
-    real context, read by every forward whatever k), make a draft of alpha 0.45 pay: 1.45 / 2.5 >
-    1.05 / 2. Drafting steps that cost 1 s more than the plain steps beside them (bookkeeping)
-    make it not pay again."""
+def test_adaptive_policy_scales_the_model_by_what_steps_measured():
+    """Steps that take twice the start-up model, plain and drafting alike (the batch's real
+    context, the machine's drift), scale both kinds: a draft of alpha 0.7 still pays (1.7 / 3 >
+    1.05 / 2), as it did on the model alone. Drafting steps that take 1.2x more, against the
+    model, than the plain steps beside them (bookkeeping) make it stop paying (1.7 / 3.6 < 1.05 / 2)."""
     policy = AdaptiveDraftLength(_cost(0.5), max_k=1, confidence=0.0)
-    policy.observe(1, 1, [1] * 45 + [0] * 55, draft_seconds=0.0)
+    policy.observe(1, 1, [1] * 70 + [0] * 30, draft_seconds=0.0)
     plain, draft = policy.rates(1, {"pooled": 1}, policy.alpha)
-    assert draft < plain  # the model alone: 1.45 / 1.5 < 1.05
+    assert draft > plain  # the model alone: 1.7 / 1.5 > 1.05
     for _ in range(4):
         policy.observe(1, 0, [0], step_seconds=2.0)
-        policy.observe(1, 1, [], step_seconds=2.5)
-    assert policy.level(1) == pytest.approx(1.0) and policy.drafting_extra(1) == pytest.approx(0.0)
+        policy.observe(1, 1, [], step_seconds=3.0)
+    assert policy.level(1) == pytest.approx(2.0) and policy.drafting_extra(1) == pytest.approx(1.0)
     assert policy.target_seconds(1, 0) == pytest.approx(2.0) and policy.choose(1) == 1
     for _ in range(8):  # the drafting extra is the median over every pair kept
         policy.observe(1, 0, [0], step_seconds=2.0)
-        policy.observe(1, 1, [], step_seconds=3.5)
-    assert policy.drafting_extra(1) == pytest.approx(1.0) and policy.level(1) == pytest.approx(1.0)
-    assert policy.target_seconds(1, 1) == pytest.approx(3.5) and policy.choose(1) == 0
+        policy.observe(1, 1, [], step_seconds=3.6)
+    assert policy.drafting_extra(1) == pytest.approx(1.2) and policy.level(1) == pytest.approx(2.0)
+    assert policy.target_seconds(1, 1) == pytest.approx(3.6) and policy.choose(1) == 0
     policy.observe(1, 0, [0], step_seconds=9.0)  # one step slowed by other work: the least recent counts
     assert policy.target_seconds(1, 0) == pytest.approx(2.0)
-    # batch sizes 3-4 share what they measure, apart from 1 and 2; unmeasured adds nothing
+    # batch sizes 3-4 share what they measure, apart from 1 and 2; unmeasured: the model as it is
     policy.observe(3, 0, [0] * 3, step_seconds=1.7)
     assert policy.target_seconds(3, 0) == pytest.approx(1.7) and policy.target_seconds(2, 0) == policy.cost(2, 0)
-    assert policy.target_seconds(4, 0) == pytest.approx(policy.cost(4, 0) + 1.7 - policy.cost(3, 0))
+    assert policy.target_seconds(4, 0) == pytest.approx(policy.cost(4, 0) * 1.7 / policy.cost(3, 0))
     # what batch 1 measured is forgotten after ``memory`` steps elsewhere (the batch's context has
     # changed since), but not the drafting extra, which two kinds of step side by side measured
     for _ in range(policy.memory):
         policy.observe(3, 0, [0] * 3, step_seconds=1.7)
-    assert policy.level(1) == 0.0 and policy.drafting_extra(1) == pytest.approx(1.0)
+    assert policy.level(1) == 1.0 and policy.drafting_extra(1) == pytest.approx(1.2)
 
 
 def test_adaptive_policy_measures_the_other_kind_of_step_near_break_even():
@@ -411,6 +411,23 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
     res = BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, N_NEW, Chain(3), policy=Never())
     assert [r.tokens for r in res.rows] == [r.tokens for r in plain.rows]
     assert res.draft_time == 0.0 and res.num_steps == plain.num_steps
+
+
+def test_decoder_reports_drafting_seconds_only_for_one_steps_advance(tiny_llama, prompts):
+    """The drafting of a batch's first step advances nothing (the drafter read the prompts in the
+    prefill) and one after a plain step catches up on it: neither is what k positions cost."""
+    class Script:
+        ks, seen = [1, 1, 0, 1, 1], []
+
+        def choose(self, B, previous, lengths):
+            return self.ks[len(self.seen)] if len(self.seen) < len(self.ks) else 0
+
+        def observe(self, B, k, accepted, draft_seconds, step_seconds):
+            self.seen.append(draft_seconds)
+
+    policy = Script()
+    BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, N_NEW, Chain(3), policy=policy)
+    assert [s is None for s in policy.seen[:5]] == [True, False, False, True, False]  # a plain step: 0.0
 
 
 def test_adaptive_decoding_stays_lossless(tiny_llama, prompts, alone):
