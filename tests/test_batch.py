@@ -318,6 +318,25 @@ def test_adaptive_policy_probes_until_acceptance_is_known():
     assert [policy.choose(1) for _ in range(10)] == [0] * 10
 
 
+def test_adaptive_policy_probes_on_the_pooled_bound():
+    """A context seen on few rows has a wide bound: rows whose drafts were all accepted, then 7
+    of 10 accepted again, estimate 0.64 (shrunk towards the pooled 0.5), bound 0.9. Probing on
+    it would draft whenever rows had just accepted; the pooled bound, over 1,000 rows, says a
+    draft (paying from alpha 0.68 here) cannot pay."""
+    policy = AdaptiveDraftLength(_cost(0.6), max_k=1)
+    for _ in range(4):  # both kinds of step timed at the model's cost; half of 250 rows accepting
+        policy.choose(2)
+        policy.observe(2, 1, [1] * 125 + [0] * 125, draft_seconds=0.0, step_seconds=policy.cost(2, 1))
+        policy.choose(2)
+        policy.observe(2, 0, [0, 0], step_seconds=policy.cost(2, 0))
+    for accepted in ([1, 1], [1, 1], [1, 1], [1, 0], [0, 0]):
+        policy.choose(2, [(1, 1), (1, 1)])
+        policy.observe(2, 1, accepted)
+    assert policy.alpha("all")[0] == pytest.approx(0.643, abs=1e-3) and policy.optimistic_alpha("all")[0] > 0.68
+    assert policy.optimistic_alpha()[0] < 0.6
+    assert policy.choose(2, [(1, 1), (1, 1)]) == 0
+
+
 def test_adaptive_policy_prices_the_rows_the_forward_runs():
     """Finished rows stay in the cache, idle, until half of it has finished, and the forward runs
     them too: two rows decoding in a cache of eight cost a forward of eight rows. A draft of
