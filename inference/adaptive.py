@@ -285,7 +285,7 @@ class AdaptiveDraftLength:
         rows = {c: self._contexts.count(c) for c in set(self._contexts)}
         rates = self.rates(B, rows, self.alpha, self._context[2], run)
         k = max(range(self.max_k + 1), key=rates.__getitem__)
-        optimistic = self.rates(B, {"pooled": len(self._contexts)}, self.optimistic_alpha, self._context[2], run)
+        optimistic = self.rates(B, {"pooled": B}, self.optimistic_alpha, self._context[2], run)
         if k < self.max_k and max(range(self.max_k + 1), key=optimistic.__getitem__) > k:
             k += 1  # probe: the next position might pay
         # the other kind of step (plain or drafting), while it was measured in fewer than
