@@ -153,13 +153,27 @@ def tables(results: dict, batch_sizes: list[int]) -> str:
                            f"(adaptive / best fixed {a['speedup'] / f['speedup']:.3f}, 90 % interval {paired[0]:.3f}-{paired[1]:.3f})")
         slower = [b for b in batch_sizes if entry[adaptive][b]["speedup"] < 1.0]
         summary = ("\nAdaptive against plain decoding: " + ("at or above 1.00× at every batch size" if not slower
-                   else f"below 1.00× at B = {', '.join(map(str, slower))}") + ". Against the best fixed k, on the same groups:\n\n"
+                   else f"below 1.00× at B = {', '.join(map(str, slower))}" + _ties(entry[adaptive], slower))
+                   + ". Against the best fixed k, on the same groups:\n\n"
                    + "\n".join(f"- {m}" for m in margins) + "\n")
     cycle = len(crossover_orders(len(results) + 1))
     note = ("\nEvery configuration decoded the same groups of prompts, each group by plain decoding and by every "
             "configuration in turn (orders balanced for what ran just before: each configuration ran right after each "
             f"other equally often over every {cycle} groups); brackets: 90 % bootstrap interval over the groups.\n")
     return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + note + summary
+
+
+def _ties(by_b: dict, slower: list[int]) -> str:
+    """Which of the batch sizes below 1.00× are ties on this run: a 90 % interval that holds 1.00,
+    and whether the policy drafted there at all (if not, it ran plain decoding's steps, and its
+    ratio to plain decoding is the machine's run-to-run noise)."""
+    notes = []
+    for b in slower:
+        lo, hi = by_b[b].get("speedup_interval") or (by_b[b]["speedup"],) * 2
+        if hi >= 1.0:
+            plain_only = {int(k) for k, n in (by_b[b].get("draft_lengths") or {}).items() if n} == {0}
+            notes.append(f"B = {b}: 90 % interval {lo:.2f}-{hi:.2f} holds 1.00" + (", no drafting step" if plain_only else ""))
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _speedup(e: dict) -> str:

@@ -154,7 +154,7 @@ class AdaptiveDraftLength:
         self.drafting: dict[int, list[float]] = {}
         # batch-size range -> its steps' (step number, drafted?, measured seconds (drafting
         # apart) over the start-up model's), the last ``history``
-        self.residuals: dict[int, list[tuple[int, bool, float]]] = {}
+        self.step_ratios: dict[int, list[tuple[int, bool, float]]] = {}
         self.steps = 0  # steps observed
         self.chosen: list[int] = []
         self._contexts: list[str] = []  # the rows' contexts at the last choose
@@ -173,7 +173,7 @@ class AdaptiveDraftLength:
         """B's range: (drafting extra, level, plain steps measured, drafting steps measured)."""
         r = self._range(B)
         if r not in self._memo:
-            steps = self.residuals.get(r, [])
+            steps = self.step_ratios.get(r, [])
             pairs = [(b[2] / a[2]) ** (1 if b[1] else -1) for a, b in zip(steps, steps[1:]) if a[1] != b[1] and b[0] == a[0] + 1]
             extra = statistics.median(pairs) if pairs else 1.0
             recent = [x / (extra if drafted else 1.0) for step, drafted, x in steps[-self.window:]
@@ -304,7 +304,7 @@ class AdaptiveDraftLength:
         the step's (the target's forward, the accept kernel, the bookkeeping)."""
         if step_seconds is not None:
             run, context = self._context[1:] if self._context[0] == B else (B, None)
-            steps = self.residuals.setdefault(self._range(run), [])
+            steps = self.step_ratios.setdefault(self._range(run), [])
             steps.append((self.steps, k > 0, step_seconds / self.cost(run, k, context)))
             del steps[: -self.history]
         self.steps += 1

@@ -348,7 +348,7 @@ def test_adaptive_policy_prices_the_rows_the_forward_runs():
     assert policy.choose(2, [None] * 2, [10, 12]) == 1
     assert policy.choose(2, [None] * 2, [10, 0, 12, 0, 0, 0, 0, 0]) == 0
     policy.observe(2, 0, [0, 0], step_seconds=8.0)  # measured against the model of 8 rows
-    assert policy.residuals == {8: [(1, False, 1.0)]}
+    assert policy.step_ratios == {8: [(1, False, 1.0)]}
 
 
 def test_verify_cost_follows_batch_size_and_context():

@@ -54,9 +54,12 @@ def test_batch_tables_summarise_adaptive_with_paired_intervals():
     results = {"ngram k=3": {"entries": [entry(1, 1.2, 20.0), entry(4, 0.7, 60.0)]},
                "eagle3 k=1": {"entries": [entry(1, 1.1, 20.0), entry(4, 0.8, 60.0)]},
                "eagle3 k=2": {"entries": [entry(1, 1.15, 20.0), entry(4, 0.6, 60.0)]},
-               "eagle3 adaptive k<=2": {"entries": [dict(entry(1, 1.161, 20.0), draft_lengths={"2": 9}), entry(4, 0.96, 60.0)]}}
+               "eagle3 adaptive k<=2": {"entries": [dict(entry(1, 1.161, 20.0), draft_lengths={"2": 9}),
+                                                    dict(entry(4, 0.96, 60.0), draft_lengths={"0": 30})]}}
     text = batch_bench.tables(results, [1, 4])
     assert "| eagle3 adaptive k<=2 | 1.16× (1.11-1.21) | 0.96× (0.91-1.01) |" in text
     assert "below 1.00× at B = 4" in text
+    # a tie is told apart from a loss: the interval holds 1.00 and the policy never drafted there
+    assert "below 1.00× at B = 4 (B = 4: 90 % interval 0.91-1.01 holds 1.00, no drafting step)." in text
     assert "B=1: 1.16× vs best fixed k=2 1.15× (adaptive / best fixed 1.010, 90 % interval 1.010-1.010)" in text
     assert "B=4: 0.96× vs best fixed k=1 0.80× (adaptive / best fixed 1.200, 90 % interval 1.200-1.200)" in text
