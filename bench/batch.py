@@ -169,15 +169,20 @@ def _ties(by_b: dict, slower: list[int]) -> str:
     ratio to plain decoding is the machine's run-to-run noise)."""
     notes = []
     for b in slower:
-        lo, hi = by_b[b].get("speedup_interval") or (by_b[b]["speedup"],) * 2
+        lo, hi = _interval(by_b[b])
         if hi >= 1.0:
             plain_only = {int(k) for k, n in (by_b[b].get("draft_lengths") or {}).items() if n} == {0}
             notes.append(f"B = {b}: 90 % interval {lo:.2f}-{hi:.2f} holds 1.00" + (", no drafting step" if plain_only else ""))
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def _interval(e: dict) -> tuple[float, float]:
+    """An entry's 90 % speedup interval (the point estimate twice where none was computed)."""
+    return tuple(e.get("speedup_interval") or (e["speedup"], e["speedup"]))
+
+
 def _speedup(e: dict) -> str:
-    lo, hi = e.get("speedup_interval") or (e["speedup"], e["speedup"])
+    lo, hi = _interval(e)
     return f"{e['speedup']:.2f}× ({lo:.2f}-{hi:.2f})"
 
 
