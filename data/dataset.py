@@ -41,6 +41,8 @@ class DataSpec(BaseModel):
     regenerate_max_new_tokens: int = Field(512, ge=1)
     regenerate_temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     regenerate_batch_size: int = Field(8, ge=1)
+    regenerate_max_turns: int | None = Field(
+        None, ge=1, description="regenerate at most this many assistant turns; the conversation ends after the last (None: all)")
 
     @field_validator("source")
     @classmethod
@@ -116,6 +118,7 @@ def build_samples(spec: DataSpec, tokenizer, target=None, regenerate_path=None) 
         regen = regenerate(
             target, convs, out, max_new_tokens=spec.regenerate_max_new_tokens, batch_size=spec.regenerate_batch_size,
             seed=spec.seed, temperature=spec.regenerate_temperature, max_length=spec.max_length,
+            max_turns=spec.regenerate_max_turns,
         )
         report["regenerated"] = {"path": str(out), "conversations": len(regen)}
         convs = regen

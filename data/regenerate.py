@@ -16,7 +16,9 @@ source) is written atomically and the partial file removed.
 
 A turn whose prompt already fills ``max_length`` tokens is not generated (training truncates
 there, so it would teach nothing): the conversation ends before that turn's user message and
-may be left without any assistant turn, which tokenisation later skips.
+may be left without any assistant turn, which tokenisation later skips. With ``max_turns`` the
+conversation also ends after its last regenerated turn: later turns are the costly ones (each turn
+is a sequential round of generation for the rows that still have one).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def regenerate_cache_path(target, conversations: Sequence[Conversation], spec) -
         "batch_size": spec.regenerate_batch_size,
         "seed": spec.seed,
         "max_length": spec.max_length,
+        "max_turns": spec.regenerate_max_turns,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_root() / "regenerated" / f"{digest}.jsonl"
@@ -104,13 +107,13 @@ def _generate(target, prompts: list[list[int]], max_new_tokens: int, temperature
 
 
 def _regenerate_batch(target, convs: list[Conversation], max_new_tokens: int, temperature: float, seed: int,
-                      max_length: int, stop: set[int]) -> list[Conversation]:
+                      max_length: int, stop: set[int], max_turns: int | None = None) -> list[Conversation]:
     tok = target.tokenizer
     new: list[Conversation] = [[] for _ in convs]
     pos = [0] * len(convs)  # next input message to copy
     active = list(range(len(convs)))
     turn = 0
-    while active:
+    while active and (max_turns is None or turn < max_turns):
         prompts, members = [], []
         for c in active:
             msgs = convs[c]
@@ -176,7 +179,8 @@ def _settings_digest(target, **settings) -> str:
 
 
 def regenerate(target, conversations: Sequence[Conversation], out_path, max_new_tokens: int = 512, batch_size: int = 8,
-               seed: int = 0, temperature: float = 0.0, max_length: int | None = None) -> list[Conversation]:
+               seed: int = 0, temperature: float = 0.0, max_length: int | None = None,
+               max_turns: int | None = None) -> list[Conversation]:
     """Regenerate the assistant turns of ``conversations`` with ``target`` into ``out_path``
     (JSONL); resumable (see module doc). Returns the regenerated conversations in input order."""
     check_template(target.tokenizer)
@@ -187,7 +191,7 @@ def regenerate(target, conversations: Sequence[Conversation], out_path, max_new_
     ids = record_ids(conversations)
     wanted = set(ids)
     gen = _settings_digest(target, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                           temperature=temperature, max_length=max_length)
+                           temperature=temperature, max_length=max_length, max_turns=max_turns)
     if out.is_file():
         try:
             records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -214,7 +218,7 @@ def regenerate(target, conversations: Sequence[Conversation], out_path, max_new_
             if all(i in done for i in batch_ids):
                 continue
             new = _regenerate_batch(target, list(conversations[b : b + batch_size]), max_new_tokens, temperature,
-                                    base + b // batch_size, max_length, stop)
+                                    base + b // batch_size, max_length, stop, max_turns)
             for rid, conv in zip(batch_ids, new):
                 if rid not in done:
                     done[rid] = conv

@@ -461,6 +461,10 @@ def test_regenerate_greedy_and_length_cut(tiny_llama, tmp_path):
     first_prompt = len(prompt_ids(tiny_llama.tokenizer, REGEN_CONVS[0]))
     c = regenerate(tiny_llama, REGEN_CONVS[:1], tmp_path / "cut.jsonl", max_new_tokens=4, batch_size=1, max_length=first_prompt + 6)
     assert [m["role"] for m in c[0]] == ["user", "assistant"]
+    # max_turns=1: each conversation ends after its first answer, which equals the all-turns run's
+    one = regenerate(tiny_llama, REGEN_CONVS[:2], tmp_path / "t1.jsonl", max_new_tokens=4, batch_size=2, max_turns=1)
+    assert [[m["role"] for m in x] for x in one] == [["user", "assistant"]] * 2
+    assert [x[:2] for x in a] == one and all(len(x) == 4 for x in a)
 
 
 def test_build_samples_with_regeneration(tiny_llama, tmp_path, monkeypatch):
