@@ -114,12 +114,10 @@ def build_samples(spec: DataSpec, tokenizer, target=None, regenerate_path=None) 
             raise DraftlabError("data.regenerate needs the target model (build_samples(..., target=...))")
         from draftlab.data.regenerate import regenerate, regenerate_cache_path
 
-        out = regenerate_path or regenerate_cache_path(target, convs, spec)
-        regen = regenerate(
-            target, convs, out, max_new_tokens=spec.regenerate_max_new_tokens, batch_size=spec.regenerate_batch_size,
-            seed=spec.seed, temperature=spec.regenerate_temperature, max_length=spec.max_length,
-            max_turns=spec.regenerate_max_turns,
-        )
+        settings = dict(max_new_tokens=spec.regenerate_max_new_tokens, batch_size=spec.regenerate_batch_size, seed=spec.seed,
+                        temperature=spec.regenerate_temperature, max_length=spec.max_length, max_turns=spec.regenerate_max_turns)
+        out = regenerate_path or regenerate_cache_path(target, convs, **settings)
+        regen = regenerate(target, convs, out, **settings)
         report["regenerated"] = {"path": str(out), "conversations": len(regen)}
         convs = regen
     train_convs = [convs[i] for i in train_idx]

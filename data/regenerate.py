@@ -42,21 +42,13 @@ def record_ids(conversations: Sequence[Conversation]) -> list[str]:
     return [f"{i}-{conversation_digest(c)[:16]}" for i, c in enumerate(conversations)]
 
 
-def regenerate_cache_path(target, conversations: Sequence[Conversation], spec) -> Path:
-    """Default output path: the draftlab cache, keyed by target, conversations and settings."""
+def regenerate_cache_path(target, conversations: Sequence[Conversation], **settings) -> Path:
+    """Default output path: the draftlab cache, keyed by the conversations and by what else
+    decides the output (the target and :func:`regenerate`'s ``settings``)."""
     from draftlab.models.target import cache_root
 
-    key = {
-        "target": target.identity,
-        "conversations": [conversation_digest(c) for c in conversations],
-        "max_new_tokens": spec.regenerate_max_new_tokens,
-        "temperature": spec.regenerate_temperature,
-        "batch_size": spec.regenerate_batch_size,
-        "seed": spec.seed,
-        "max_length": spec.max_length,
-        "max_turns": spec.regenerate_max_turns,
-    }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    key = {"conversations": [conversation_digest(c) for c in conversations], "gen": _settings_digest(target, **settings)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "regenerated" / f"{digest}.jsonl"
 
 
@@ -184,8 +176,8 @@ def regenerate(target, conversations: Sequence[Conversation], out_path, max_new_
     """Regenerate the assistant turns of ``conversations`` with ``target`` into ``out_path``
     (JSONL); resumable (see module doc). Returns the regenerated conversations in input order."""
     check_template(target.tokenizer)
-    if max_new_tokens < 1 or batch_size < 1:
-        raise DraftlabError("regenerate: max_new_tokens and batch_size must be positive")
+    if max_new_tokens < 1 or batch_size < 1 or (max_turns is not None and max_turns < 1):
+        raise DraftlabError("regenerate: max_new_tokens, batch_size and max_turns must be positive")
     out = Path(out_path)
     max_length = max_length or int(getattr(target.config, "max_position_embeddings", 4096))
     ids = record_ids(conversations)
