@@ -155,15 +155,6 @@ class AdaptiveDraftLength:
         # batch-size range -> its steps' (step number, drafted?, measured seconds (drafting
         # apart) over the start-up model's), the last ``history``
         self.step_ratios: dict[int, list[tuple[int, bool, float]]] = {}
-        # batch-size range -> a drafting step's ratio over a plain one's, for consecutive steps
-        # of the two kinds, the last ``history``: kept apart from the steps, so that a range
-        # that has drafted for ``history`` steps still knows what drafting costs beyond a plain step
-        self.pairs: dict[int, list[float]] = {}
-        # batch-size range -> steps measured in it, [plain, drafting], since the policy began:
-        # measuring the other kind stops after window / 2 of it, not again once a long run of one
-        # kind has pushed them out of the history (at batch 1 on the AMD EPYC, 4 plain steps every
-        # 256, each yielding ~20 % fewer tokens a second than a step drafting one)
-        self.counts: dict[int, list[int]] = {}
         self.steps = 0  # steps observed
         self.chosen: list[int] = []
         self._contexts: list[str] = []  # the rows' contexts at the last choose
@@ -175,18 +166,20 @@ class AdaptiveDraftLength:
         self._memo: dict[int, tuple[float, float, int, int]] = {}
 
     def measured(self, drafting: bool, B: int) -> int:
-        """Steps of a kind measured in B's range since the policy began."""
-        return self.counts.get(self._range(B), [0, 0])[drafting]
+        """Steps of a kind measured in B's range (within the history kept)."""
+        return self._summary(B)[3 if drafting else 2]
 
-    def _summary(self, B: int) -> tuple[float, float]:
-        """B's range: (drafting extra, level)."""
+    def _summary(self, B: int) -> tuple[float, float, int, int]:
+        """B's range: (drafting extra, level, plain steps measured, drafting steps measured)."""
         r = self._range(B)
         if r not in self._memo:
-            pairs = self.pairs.get(r)
+            steps = self.step_ratios.get(r, [])
+            pairs = [(b[2] / a[2]) ** (1 if b[1] else -1) for a, b in zip(steps, steps[1:]) if a[1] != b[1] and b[0] == a[0] + 1]
             extra = statistics.median(pairs) if pairs else 1.0
-            recent = [x / (extra if drafted else 1.0) for step, drafted, x in self.step_ratios.get(r, [])[-self.window:]
+            recent = [x / (extra if drafted else 1.0) for step, drafted, x in steps[-self.window:]
                       if step > self.steps - self.memory]
-            self._memo[r] = (extra, min(recent) if recent else 1.0)
+            drafting = sum(d for _, d, _ in steps)
+            self._memo[r] = (extra, min(recent) if recent else 1.0, len(steps) - drafting, drafting)
         return self._memo[r]
 
     @classmethod
@@ -311,16 +304,9 @@ class AdaptiveDraftLength:
         the step's (the target's forward, the accept kernel, the bookkeeping)."""
         if step_seconds is not None:
             run, context = self._context[1:] if self._context[0] == B else (B, None)
-            r = self._range(run)
-            steps = self.step_ratios.setdefault(r, [])
-            ratio = step_seconds / self.cost(run, k, context)
-            if steps and steps[-1][0] == self.steps - 1 and steps[-1][1] != (k > 0):
-                pairs = self.pairs.setdefault(r, [])
-                pairs.append((ratio / steps[-1][2]) ** (1 if k > 0 else -1))
-                del pairs[: -self.history]
-            steps.append((self.steps, k > 0, ratio))
+            steps = self.step_ratios.setdefault(self._range(run), [])
+            steps.append((self.steps, k > 0, step_seconds / self.cost(run, k, context)))
             del steps[: -self.history]
-            self.counts.setdefault(r, [0, 0])[k > 0] += 1
         self.steps += 1
         self._memo.clear()
         if k == 0:

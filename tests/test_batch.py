@@ -414,21 +414,6 @@ def test_adaptive_policy_measures_the_other_kind_of_step_near_break_even():
     assert AdaptiveDraftLength(_cost(0.2), max_k=1, confidence=0.0).choose(1, [(1, 0)]) == 1
 
 
-def test_adaptive_policy_measures_the_other_kind_once():
-    """window / 2 steps of the other kind are measured once per range, not again each time a
-    long run of the chosen kind has pushed them out of the history; and what a drafting step
-    costs beyond a plain one (consecutive steps of the two kinds) outlives them too."""
-    policy = AdaptiveDraftLength(_cost(0.45), max_k=1, confidence=0.0, window=8, history=16)
-    policy.observe(1, 1, [1] * 500 + [0] * 500, draft_seconds=0.0)
-    chosen = []
-    for _ in range(60):
-        chosen.append(policy.choose(1))
-        extra = 1.1 if chosen[-1] else 1.0  # a drafting step measures 10 % above the model
-        policy.observe(1, chosen[-1], [0] * chosen[-1], step_seconds=extra * policy.cost(1, chosen[-1]))
-    assert chosen == [1] * 4 + [0] * 56
-    assert policy.drafting_extra(1) == pytest.approx(1.1) and policy.measured(True, 1) == 4
-
-
 def test_adaptive_policy_drafts_no_further_than_the_drafter_was_trained(tiny_llama, prompts, alone, tmp_path):
     """An EAGLE-3 checkpoint trained with ttt_steps = 2 drafts at most 2 under the adaptive policy
     (a third position reads drafter outputs no step trained it to read); fixed shapes are as asked.
