@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
+from draftlab.inference import adaptive
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost, attended_context
 from draftlab.inference.batch_eval import (Speculation, compare_batches, crossover_orders, evaluate_batches, parse_batch_sizes,
                                           speedup_interval)
@@ -362,6 +364,29 @@ def test_verify_cost_follows_batch_size_and_context():
     assert attended_context([500, 500]) == 500
 
 
+def test_verify_cost_is_measured_in_rounds_over_every_configuration(monkeypatch):
+    """A slow spell as long as one configuration's runs (8 forwards at 10x) must not price that
+    configuration alone: the forwards go round every k and context, and each configuration keeps
+    the median of its rounds. Measured one configuration after another (the least of its runs),
+    k = 1 would have cost 10x."""
+    clock = SimpleNamespace(t=0.0)
+
+    class Target:
+        vocab_size, device, calls = 10, "cpu", 0
+
+        def new_cache(self, B, room, ragged):
+            return SimpleNamespace(lengths=[0] * B)
+
+        def __call__(self, ids, cache, logits):
+            self.calls += 1
+            slow = 10.0 if 7 <= self.calls < 15 else 1.0
+            clock.t += ids.numel() * (1 + sum(cache.lengths) / 1000) * slow
+
+    monkeypatch.setattr(adaptive, "_Clock", lambda device: lambda: clock.t)
+    cost = VerifyCost.measure(Target(), [1, 2], 3, contexts=(64,), repeats=5)
+    assert cost.seconds == pytest.approx({(b, k, 64): b * (k + 1) * (1 + b * 0.064) for b in (1, 2) for k in range(4)})
+
+
 def test_adaptive_policy_scales_the_model_by_what_steps_measured():
     """Steps that take twice the start-up model, plain and drafting alike (the batch's real
     context, the machine's drift), scale both kinds: a draft of alpha 0.7 still pays (1.7 / 3 >
@@ -376,7 +401,13 @@ def test_adaptive_policy_scales_the_model_by_what_steps_measured():
         policy.observe(1, 1, [], step_seconds=3.0)
     assert policy.level(1) == pytest.approx(2.0) and policy.drafting_extra(1) == pytest.approx(1.0)
     assert policy.target_seconds(1, 0) == pytest.approx(2.0) and policy.choose(1) == 1
-    for _ in range(8):  # the drafting extra is the median over every pair kept
+    # the drafting extra is the median over every pair kept and window / 2 pseudo-pairs at 1.0:
+    # one pair is two noisy steps
+    fresh = AdaptiveDraftLength(_cost(0.5), max_k=1)
+    fresh.observe(1, 0, [0], step_seconds=2.0)
+    fresh.observe(1, 1, [], step_seconds=2.0 * 1.5 * 0.8)
+    assert fresh.drafting_extra(1) == pytest.approx(1.0)
+    for _ in range(12):
         policy.observe(1, 0, [0], step_seconds=2.0)
         policy.observe(1, 1, [], step_seconds=3.6)
     assert policy.drafting_extra(1) == pytest.approx(1.2) and policy.level(1) == pytest.approx(2.0)
