@@ -13,7 +13,8 @@ every configuration in turn, in an order balanced over the groups for what ran j
 least ``--min-groups`` groups are timed, so batch 16 is not one sample): every speedup is over
 the same plain decoding of the same groups. Configurations: n-gram prompt lookup
 (chain of max k), the drafter's chain at each fixed k, and the adaptive policy (k chosen per
-step in 0..max k from the acceptance seen so far and the verify cost it measures at start-up).
+step in 0..max k, or fewer where the drafter was trained to draft fewer, from the acceptance
+seen so far and the verify cost it measures at start-up).
 
 Output: a table per batch size and configuration (tokens/s, speedup, tau, where the time went,
 greedy checks), a speedup grid with 90 % bootstrap intervals over the groups, the adaptive
@@ -47,7 +48,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", nargs="?", default=str(DEFAULT_RUN), help="training run directory or checkpoint")
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
-    p.add_argument("--ks", default="1,2,3", help="fixed draft lengths; the adaptive policy chooses up to the largest")
+    p.add_argument("--ks", default="1,2,3", help="fixed draft lengths; the adaptive policy chooses up to the largest (or the drafter's trained depth)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -67,6 +68,7 @@ def parse_args(argv):
 
 def configurations(ckpt: Path, target, ks: list[int]):
     """(label, proposer, shape, adaptive) in the order measured."""
+    from draftlab.inference.batch_eval import Speculation
     from draftlab.inference.ngram import NgramProposer
     from draftlab.inference.proposer import Block, Chain, load_proposer
 
@@ -75,7 +77,8 @@ def configurations(ckpt: Path, target, ks: list[int]):
     kmax = max(ks)
     out = [(f"ngram k={kmax}", NgramProposer(3, 1), Chain(kmax), False)]
     out += [(f"{proposer.name} k={k}", proposer, row(k), False) for k in sorted(ks)]
-    out.append((f"{proposer.name} adaptive k<={kmax}", proposer, row(kmax), True))
+    depth = Speculation(proposer, row(kmax), True).depth  # fewer where the drafter was trained for fewer
+    out.append((f"{proposer.name} adaptive k<={depth}", proposer, row(kmax), True))
     return out
 
 

@@ -16,7 +16,8 @@ lossless), and plain batched decoding against the same prompt decoded alone (may
 float near-ties, and is counted, not hidden).
 
 ``adaptive``: the draft length is chosen per step by
-:class:`~draftlab.inference.adaptive.AdaptiveDraftLength`, up to the shape's k, with the verify
+:class:`~draftlab.inference.adaptive.AdaptiveDraftLength`, up to the shape's k or the positions
+the drafter was trained to draft, whichever is fewer (:attr:`Speculation.depth`), with the verify
 cost measured once at start-up for these batch sizes; one policy runs through all batch sizes,
 in the order given, as in a server whose load changes.
 """
@@ -56,6 +57,15 @@ class Speculation:
     proposer: object
     shape: object
     adaptive: bool = False
+
+    @property
+    def depth(self) -> int:
+        """The most the adaptive policy drafts: the shape's k, or fewer where the proposer was
+        trained to draft fewer chained positions (``Proposer.trained_depth``): at batch 1 on
+        the AMD EPYC the policy spent ~60 of its first 100 steps learning that the main job's
+        drafter, trained for one, accepts 0.08 at position 2 (each step ~12 % below drafting one)."""
+        trained = getattr(self.proposer, "trained_depth", None)
+        return min(self.shape.k, trained) if trained else self.shape.k
 
 
 def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_tokens: int = 128,
@@ -97,10 +107,10 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
         for label, s in speculations.items():
             decoders[label].generate(ids[:B], shape=s.shape, seed=seed, **warm)
     adaptive = [s for s in speculations.values() if s.adaptive]
-    cost = VerifyCost.measure(target, batch_sizes, max(s.shape.k for s in adaptive)) if adaptive else None
+    cost = VerifyCost.measure(target, batch_sizes, max(s.depth for s in adaptive)) if adaptive else None
     # one policy per configuration for the whole run: what it learnt of acceptance and drafting
     # cost at one batch size holds at the next (the verify cost it keeps per batch size)
-    policies = {label: AdaptiveDraftLength(cost, s.shape.k) if s.adaptive else None for label, s in speculations.items()}
+    policies = {label: AdaptiveDraftLength(cost, s.depth) if s.adaptive else None for label, s in speculations.items()}
     entries: dict[str, list[_Entry]] = {label: [] for label in speculations}
     plain_outputs: dict[int, list[list[int]]] = {}
     for B in batch_sizes:
@@ -139,7 +149,8 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
                 for label in speculations:
                     entries[label][batch_sizes.index(B)].alone_same = same
     return {
-        label: {"adaptive": s.adaptive, "verify_cost_s": cost.to_dict() if s.adaptive else None,
+        label: {"adaptive": s.adaptive, "adaptive_max_k": s.depth if s.adaptive else None,
+                "verify_cost_s": cost.to_dict() if s.adaptive else None,
                 "entries": [e.to_dict() for e in entries[label]]}
         for label, s in speculations.items()
     }

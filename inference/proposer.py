@@ -319,6 +319,9 @@ class Proposer:
     layers: tuple[int, ...] = ()  # target hidden-state indices needed in start/advance
     shapes: ClassVar[frozenset[str]] = frozenset()  # the ``kind`` of every shape ``propose`` drafts
     sampling: Sampling = Sampling()
+    # chained draft positions the drafter was trained to draft (None: no bound known); set by
+    # load_proposer from the checkpoint's recipe (Drafter.trained_depth)
+    trained_depth: int | None = None
 
     def verifier(self, target):
         """The target whose forwards verify this proposer's drafts, given the one it was loaded
@@ -410,5 +413,9 @@ def load_proposer(checkpoint_dir, target) -> Proposer:
     """The proposer of a drafter checkpoint, next to ``target``."""
     from draftlab.checkpoint import load_drafter
 
-    drafter, _ = load_drafter(checkpoint_dir, target)
-    return PROPOSERS.get(drafter.algorithm, f"{checkpoint_dir}: algorithm")(drafter)
+    drafter, meta = load_drafter(checkpoint_dir, target)
+    proposer = PROPOSERS.get(drafter.algorithm, f"{checkpoint_dir}: algorithm")(drafter)
+    recipe = meta.get("recipe")
+    loss = recipe.get("loss") if isinstance(recipe, dict) else None
+    proposer.trained_depth = drafter.trained_depth(loss if isinstance(loss, dict) else {})
+    return proposer

@@ -88,11 +88,18 @@ def batch_table(batches: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _batches_label(batches: dict) -> str:
+    if not batches.get("adaptive"):
+        return "fixed shape"
+    depth = batches.get("adaptive_max_k")
+    return "adaptive draft length" + (f", k <= {depth}" if depth else "")
+
+
 def markdown(report: dict) -> str:
     title = report.get("label") or "Acceptance report"
     text = f"# {title}\n\n{_describe(report)}\n\n{markdown_table(report)}"
     if report.get("batches"):
-        text += f"\nspeedup by batch size ({'adaptive draft length' if report['batches'].get('adaptive') else 'fixed shape'}):\n\n"
+        text += f"\nspeedup by batch size ({_batches_label(report['batches'])}):\n\n"
         text += batch_table(report["batches"])
     if report.get("train_acc"):
         text += "\ntraining accuracy by position (last logged, teacher-forced): " + " ".join(_fmt(a) for a in report["train_acc"]) + "\n"

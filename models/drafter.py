@@ -55,6 +55,14 @@ class Drafter(nn.Module):
         """JSON-serialisable: everything ``from_meta`` needs to rebuild this drafter."""
         raise NotImplementedError
 
+    @classmethod
+    def trained_depth(cls, loss: dict) -> int | None:
+        """How many chained draft positions this family's objective trains, given the ``loss``
+        section of the recipe a checkpoint was trained with (a dict, possibly empty); None: every
+        position it drafts, or no bound known. The adaptive draft length drafts no further
+        (``inference/batch_eval.py``). Default: None."""
+        return None
+
     # ---- what it reads from the target ------------------------------------------------
     @property
     def capture_layers(self) -> list[int]:

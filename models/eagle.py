@@ -184,6 +184,14 @@ class Eagle3Drafter(EagleBase):
         return {**self.meta(), "normalize_fc_input": False}
 
     @classmethod
+    def trained_depth(cls, loss: dict) -> int | None:
+        """The training-time-test unroll, ``ttt_steps``: with no feature loss, a draft past it
+        reads drafter outputs that no step trained it to read (the main job's drafter, one step:
+        acceptance 0.34 at position 1, 0.08 at position 2 after it, batch 1 on the AMD EPYC)."""
+        steps = loss.get("ttt_steps")
+        return steps if isinstance(steps, int) and steps >= 1 else None
+
+    @classmethod
     def from_meta(cls, meta: dict, target) -> "Eagle3Drafter":
         m = cls(
             LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"],

@@ -445,6 +445,31 @@ def test_adaptive_policy_measures_the_other_kind_of_step_near_break_even():
     assert AdaptiveDraftLength(_cost(0.2), max_k=1, confidence=0.0).choose(1, [(1, 0)]) == 1
 
 
+def test_adaptive_policy_drafts_no_further_than_the_drafter_was_trained(tiny_llama, prompts, alone, tmp_path):
+    """An EAGLE-3 checkpoint trained with ttt_steps = 2 drafts at most 2 under the adaptive policy
+    (a third position reads drafter outputs no step trained it to read); fixed shapes are as asked.
+    EAGLE-1 (a feature loss trains every position it drafts) and a checkpoint without a recipe: no bound."""
+    from draftlab.inference.proposer import load_proposer
+    from tiny import save_checkpoint
+
+    torch.manual_seed(0)
+    samples = random_samples(tiny_llama, 2)
+    built = {a: DRAFTERS.get(a, "algorithm") for a in ("eagle3", "eagle1")}
+    built = {a: cls.build(cls.Config(), tiny_llama, samples) for a, cls in built.items()}
+    three = load_proposer(save_checkpoint(built["eagle3"], tiny_llama, tmp_path / "e3", recipe={"loss": {"ttt_steps": 2}}),
+                          tiny_llama)
+    assert three.trained_depth == 2
+    assert [Speculation(three, Chain(k), True).depth for k in (1, 3)] == [1, 2]
+    assert load_proposer(save_checkpoint(built["eagle3"], tiny_llama, tmp_path / "bare"), tiny_llama).trained_depth is None
+    one = load_proposer(save_checkpoint(built["eagle1"], tiny_llama, tmp_path / "e1", recipe={"loss": {}}), tiny_llama)
+    assert one.trained_depth is None and Speculation(one, Chain(3), True).depth == 3
+    ps = [EvalPrompt("c", p, str(i)) for i, p in enumerate(prompts)]
+    rep = evaluate_batches(tiny_llama, three, ps, Chain(3), [1, 3], max_new_tokens=N_NEW, adaptive=True)
+    assert rep["adaptive_max_k"] == 2 and len(rep["entries"][0]["alpha_estimate"]) == 2
+    assert all(set(e["draft_lengths"]) <= {"0", "1", "2"} for e in rep["entries"])
+    assert {k for key in rep["verify_cost_s"] for k in [int(key.split("x")[1].split("@")[0])]} == {1, 2, 3}
+
+
 def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, prompts, monkeypatch):
     """k = 0 for every step: the same tokens as plain batched decoding, no draft and no verify kernel."""
     import draftlab.inference.decoder as decoder_module
