@@ -1,20 +1,24 @@
-"""Small-row fp32 products on CPU: MKL or oneDNN on pre-packed weights, whichever this machine
-runs faster.
+"""Small-row fp32 products on CPU: MKL or oneDNN on pre-packed weights, at the row count this
+machine runs fastest.
 
 A decode step multiplies a few rows (1 token, a chain, a tree) by every weight, so it is bound
-by streaming the weights, and how fast that goes depends on the library and on the CPU. Over
-the default target's weights (30 layers + lm_head, 2 threads), relative to MKL's 1-row GEMM:
+by streaming the weights, and how fast that goes depends on the library, the CPU and the row
+count itself. Over the default target's weights (30 layers + lm_head, 2 threads), relative to
+MKL's 1-row GEMM:
 
-| rows | Intel Xeon: MKL / oneDNN-packed | AMD EPYC (AVX2): MKL / oneDNN-packed |
-|---|---|---|
-| 1 | 1.00 / - | 1.00 / 0.70 |
-| 2 | 1.06 / - | 1.77 / 0.81 |
-| 3 | 1.15 / - | 2.62 / 0.76 |
-| 4 | 1.8 / 1.27 | 1.90 / 0.88 |
-| 8 | - / 1.56 | 2.50 / 1.18 |
+| rows | Intel Xeon: MKL / oneDNN-packed | AMD EPYC (AVX2): MKL / oneDNN-packed | AMD EPYC (Zen 4, AVX-512): MKL / oneDNN-packed |
+|---|---|---|---|
+| 1 | 1.00 / - | 1.00 / 0.70 | 1.00 / 0.53 |
+| 2 | 1.06 / - | 1.77 / 0.81 | 1.73 / 0.60 |
+| 3 | 1.15 / - | 2.62 / 0.76 | 2.00 / 0.52 |
+| 4 | 1.8 / 1.27 | 1.90 / 0.88 | 1.31 / 0.44 |
+| 8 | - / 1.56 | 2.50 / 1.18 | 1.50 / 0.51 |
 
-So 4..PACKED_MAX_ROWS rows always take oneDNN on packed weights, 1..MKL_CANDIDATE_ROWS rows take
-whichever :func:`mkl_faster_rows` measured faster for the weights at hand, and larger batches
+So 4..PACKED_MAX_ROWS rows take oneDNN on packed weights and 1..MKL_CANDIDATE_ROWS rows whichever
+path measured faster for the weights at hand, and a row count that runs slower than a larger
+one up to PAD_CANDIDATE_ROWS is run as that one, zero rows appended (on the Zen 4 two rows cost
+more than three or four: a whole 2-row forward of the default target took 54 ms, padded to 4
+rows 45); all of it measured once per set of weights (:func:`measure_row_plan`). Larger batches
 (prefill, capture, training) take MKL, which is as fast there and needs no second copy.
 """
 
@@ -22,13 +26,14 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS = 3, 64
+MKL_CANDIDATE_ROWS, PAD_CANDIDATE_ROWS, PACKED_MAX_ROWS = 3, 8, 64
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -47,49 +52,76 @@ class PackedLinear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """How a product of a few rows runs: row counts (as run) that take MKL, the others up to
+    PACKED_MAX_ROWS the packed weights; ``pad``: row counts run as more rows (zero rows
+    appended, their outputs dropped) because that many measured faster."""
+
+    mkl: frozenset[int] = frozenset()
+    pad: dict[int, int] = field(default_factory=dict)
+
+    def __call__(self, x: torch.Tensor, mkl: Callable, packed: Callable) -> torch.Tensor:
+        """``mkl(x)`` or ``packed(x)`` by ``x``'s row count (every dimension but the last)."""
+        rows = x.numel() // x.shape[-1]
+        run = self.pad.get(rows, rows)
+        product = mkl if run > PACKED_MAX_ROWS or run in self.mkl else packed
+        if run == rows:
+            return product(x)
+        flat = x.reshape(rows, x.shape[-1])
+        y = product(torch.cat([flat, flat.new_zeros(run - rows, flat.shape[1])]))
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
+
+ON_MKL = RowPlan(mkl=frozenset(range(1, PACKED_MAX_ROWS + 1)))  # where there is nothing to pack
+
+
+def plan_from_times(seconds: dict[tuple[str, int], float], min_gain: float = 0.05) -> RowPlan:
+    """The plan from measured seconds per (path, rows), path "mkl" or "packed": each row count
+    on its faster path, and run as a larger measured row count when that is more than
+    ``min_gain`` faster (a pad that only matches wastes the work of its zero rows)."""
+    rows = sorted({r for _, r in seconds})
+    best = {r: min(seconds[side, r] for side in ("mkl", "packed") if (side, r) in seconds) for r in rows}
+    mkl = frozenset(r for r in rows if ("mkl", r) in seconds and seconds["mkl", r] < seconds.get(("packed", r), float("inf")))
+    pad = {}
+    for r in rows:
+        n = min((n for n in rows if n >= r), key=best.__getitem__)
+        if best[n] < (1 - min_gain) * best[r]:
+            pad[r] = n
+    return RowPlan(mkl, pad)
+
+
 @torch.no_grad()
-def mkl_faster_rows(paths: list[tuple[Callable, Callable, int]], reps: int = 3) -> frozenset[int]:
-    """Row counts in 1..MKL_CANDIDATE_ROWS where MKL beat the packed weights.
-
-    ``paths``: (MKL function, packed function, input width) per weight; both paths run over all
-    of them per row count, interleaved, best of ``reps`` after one warm-up round (about a second
-    for the default target's 135M weights)."""
-    rows = range(1, MKL_CANDIDATE_ROWS + 1)
-    x = {(r, n): torch.randn(r, n) for r in rows for n in {n for _, _, n in paths}}
-    best = {(side, r): float("inf") for side in (0, 1) for r in rows}
+def measure_row_plan(paths: list[tuple[Callable, Callable, int]], reps: int = 3) -> RowPlan:
+    """Time MKL for 1..MKL_CANDIDATE_ROWS rows and the packed weights for 1..PAD_CANDIDATE_ROWS
+    over all of ``paths`` ((MKL function, packed function, input width) per weight), interleaved,
+    best of ``reps`` after one warm-up round (2-3 s for the default target's 135M weights), and
+    plan from that (:func:`plan_from_times`)."""
+    runs = [("mkl", r) for r in range(1, MKL_CANDIDATE_ROWS + 1)] + [("packed", r) for r in range(1, PAD_CANDIDATE_ROWS + 1)]
+    x = {(r, n): torch.randn(r, n) for _, r in runs for n in {n for _, _, n in paths}}
+    best = {run: float("inf") for run in runs}
     for rep in range(reps + 1):
-        for r in rows:
-            for side in (0, 1):  # 0: MKL, 1: packed
-                start = time.perf_counter()
-                for fns in paths:
-                    fns[side](x[r, fns[2]])
-                if rep:
-                    best[side, r] = min(best[side, r], time.perf_counter() - start)
-    return frozenset(r for r in rows if best[0, r] < best[1, r])
-
-
-def takes_packed(x: torch.Tensor, mkl_rows: Callable[[], frozenset[int]]) -> bool:
-    """Whether ``x``'s row count runs on the packed weights: up to PACKED_MAX_ROWS rows, unless
-    MKL measured faster for it. ``mkl_rows`` is called only for such small row counts, so a
-    caller that packs lazily on that call never packs for a large batch (capture, training)."""
-    rows = x.numel() // x.shape[-1]
-    return rows <= PACKED_MAX_ROWS and rows not in mkl_rows()
+        for side, r in runs:
+            start = time.perf_counter()
+            for fns in paths:
+                fns[side == "packed"](x[r, fns[2]])
+            if rep:
+                best[side, r] = min(best[side, r], time.perf_counter() - start)
+    return plan_from_times(best)
 
 
 class DecodeLinear(nn.Module):
-    """A frozen ``nn.Linear`` for decoding: up to PACKED_MAX_ROWS rows on its packed copy unless
-    the row count is in ``mkl_rows``, more rows (a prefill) on MKL."""
+    """A frozen ``nn.Linear`` for decoding: a few rows as ``plan`` says (its packed copy, MKL,
+    padded), more rows (a prefill) on MKL."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
         self.packed = PackedLinear(self.weight, self.bias)
-        self.mkl_rows: frozenset[int] = frozenset()
+        self.plan = RowPlan()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if takes_packed(x, lambda: self.mkl_rows):
-            return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
+        return self.plan(x, lambda v: F.linear(v, self.weight, self.bias), self.packed)
 
 
 def decoding_copy(module: nn.Module) -> nn.Module:
@@ -107,7 +139,7 @@ def decoding_copy(module: nn.Module) -> nn.Module:
             if isinstance(child, nn.Linear):
                 swapped.append(DecodeLinear(child))
                 setattr(parent, name, swapped[-1])
-    mkl_rows = mkl_faster_rows([(lambda x, m=m: F.linear(x, m.weight, m.bias), m.packed, m.weight.shape[1]) for m in swapped])
+    plan = measure_row_plan([(lambda x, m=m: F.linear(x, m.weight, m.bias), m.packed, m.weight.shape[1]) for m in swapped])
     for m in swapped:
-        m.mkl_rows = mkl_rows
+        m.plan = plan
     return module

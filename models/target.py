@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
-from draftlab.models.cpu_gemm import PACKED_MAX_ROWS, PackedLinear, mkl_faster_rows, packing_available, takes_packed
+from draftlab.models.cpu_gemm import ON_MKL, PACKED_MAX_ROWS, PackedLinear, RowPlan, measure_row_plan, packing_available
 from draftlab.models.layers import rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -301,7 +301,7 @@ class Target:
             for layer in self._backbone.layers
         ] + [{"lm_head": FusedLinear([model.lm_head])}]
         self._packed: list[dict[str, PackedLinear]] | None = None
-        self._small_mkl_rows: frozenset[int] | None = None  # set by _mkl_rows on first use
+        self._small_row_plan: RowPlan | None = None  # set by _row_plan on first use
         self.shared_lm_head = SharedLMHead(self)  # the lm_head as drafters share it
 
     # ------------------------------------------------------------------ loading
@@ -452,25 +452,27 @@ class Target:
 
         Why not just the modules: a decode step is bound by streaming the weights, and on CPU in
         fp32 the faster GEMM for a few rows depends on the row count and the CPU (see
-        :mod:`draftlab.models.cpu_gemm`): small row counts take oneDNN-packed copies of the fused
-        weights unless MKL measured faster for them on this machine, larger ones MKL."""
+        :mod:`draftlab.models.cpu_gemm`): small row counts run as this machine's measured plan
+        says (oneDNN-packed copies of the fused weights or MKL, padded to a faster row count),
+        larger ones on MKL."""
         fused = self._fused[i][name]
-        if takes_packed(x, self._mkl_rows):  # large batches (capture) never call _mkl_rows, so never pack
-            return self._packed[i][name](x).split(fused.sizes, dim=-1)
-        return fused(x)
+        if x.numel() // x.shape[-1] > PACKED_MAX_ROWS:  # large batches (capture) never measure, so never pack
+            return fused(x)
+        y = self._row_plan()(x, fused.product, lambda v: self._packed[i][name](v))
+        return y.split(fused.sizes, dim=-1)
 
-    def _mkl_rows(self) -> frozenset[int]:
-        """Row counts up to PACKED_MAX_ROWS that run on MKL. The first call packs the weights and
-        times both paths (only decoding pays that; the target is frozen, so they never go stale)."""
-        if self._small_mkl_rows is None:
+    def _row_plan(self) -> RowPlan:
+        """How up to PACKED_MAX_ROWS rows run. The first call packs the weights and times the
+        paths (only decoding pays that; the target is frozen, so they never go stale)."""
+        if self._small_row_plan is None:
             if not packing_available(self._fused[0]["qkv"].weight):
-                self._small_mkl_rows = frozenset(range(1, PACKED_MAX_ROWS + 1))
+                self._small_row_plan = ON_MKL
             else:
                 self._packed = [{name: PackedLinear(f.weight, f.bias) for name, f in group.items()} for group in self._fused]
-                self._small_mkl_rows = mkl_faster_rows(
-                    [(f, p, f.weight.shape[1]) for fs, ps in zip(self._fused, self._packed) for f, p in zip(fs.values(), ps.values())]
+                self._small_row_plan = measure_row_plan(
+                    [(f.product, p, f.weight.shape[1]) for fs, ps in zip(self._fused, self._packed) for f, p in zip(fs.values(), ps.values())]
                 )
-        return self._small_mkl_rows
+        return self._small_row_plan
 
     def _layer(self, layer, x, cos, sin, cache, i, past, mask):
         attn = layer.self_attn
@@ -603,6 +605,10 @@ class FusedLinear:
                 m.bias.data = self.bias[start : start + n]
             start += n
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """All outputs side by side, one GEMM."""
+        return F.linear(x, self.weight, self.bias)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.product(x).split(self.sizes, dim=-1)
 

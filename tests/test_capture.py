@@ -91,46 +91,74 @@ def test_capture_equals_hf_forward(tiny_target_dirs, family):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
-    """Every GEMM path gives HF's logits: 1-3 rows on MKL or on oneDNN-packed fused weights
-    (whichever the machine measured faster: both are forced here; qwen2 has q/k/v biases),
-    4..64 rows packed, more rows MKL; and the HF modules' weights are views of the fused ones
-    (one copy)."""
-    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS
+    """Every GEMM path gives HF's logits: a few rows on MKL or on oneDNN-packed fused weights,
+    unpadded or padded with zero rows to a faster row count (whichever the machine measured:
+    each plan is forced here; qwen2 has q/k/v biases), 4..64 rows packed, more rows MKL; and the
+    HF modules' weights are views of the fused ones (one copy)."""
+    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, PAD_CANDIDATE_ROWS, RowPlan
     from draftlab.models.target import Target
 
     target = Target.load(str(tiny_target_dirs[family]))
-    assert target._mkl_rows() <= set(range(1, MKL_CANDIDATE_ROWS + 1))  # measured once, packs the weights
+    measured = target._row_plan()  # measured once, packs the weights
+    assert measured.mkl <= set(range(1, MKL_CANDIDATE_ROWS + 1))
+    assert all(r < n <= PAD_CANDIDATE_ROWS for r, n in measured.pad.items())
     ids = make_samples(target.vocab_size, n=1, lo=120, hi=121)[0]["input_ids"][None]
     ref = target.model(ids).logits
     packed_qkv, packed_rows = target._packed[0]["qkv"], []
-    target._packed[0]["qkv"] = lambda x: packed_rows.append(x.shape[1]) or packed_qkv(x)  # record what takes the packed path
-    for small_rows_on_mkl in (True, False):
-        target._small_mkl_rows = frozenset(range(1, MKL_CANDIDATE_ROWS + 1)) if small_rows_on_mkl else frozenset()
+    # record the rows of what takes the packed path
+    target._packed[0]["qkv"] = lambda x: packed_rows.append(x.numel() // x.shape[-1]) or packed_qkv(x)
+    small = range(1, MKL_CANDIDATE_ROWS + 1)
+    plans = [  # (plan, rows the packed weights run for 30, 1, 2, 3, 4, PACKED_MAX_ROWS + 5, 10 rows)
+        (RowPlan(mkl=frozenset(small)), [30, 4, 10]),
+        (RowPlan(), [30, 1, 2, 3, 4, 10]),
+        (RowPlan(pad={1: 4, 2: 4, 3: 5}), [30, 4, 4, 5, 4, 10]),
+        (RowPlan(mkl=frozenset({3}), pad={1: 3, 2: 3}), [30, 4, 10]),
+    ]
+    for plan, want in plans:
+        target._small_row_plan = plan
         cache, start, packed_rows[:] = target.new_cache(1, 128), 0, []
-        for n in (30, 1, 2, MKL_CANDIDATE_ROWS, MKL_CANDIDATE_ROWS + 1, PACKED_MAX_ROWS + 5, 10):
+        for n in (30, 1, 2, 3, 4, PACKED_MAX_ROWS + 5, 10):
             out = target(ids[:, start : start + n], cache=cache, logits="all")
             torch.testing.assert_close(out.logits, ref[:, start : start + n], rtol=1e-5, atol=1e-5)
             start += n
-        small = [] if small_rows_on_mkl else [1, 2, MKL_CANDIDATE_ROWS]
-        assert packed_rows == [30] + small + [MKL_CANDIDATE_ROWS + 1, 10]
+        assert packed_rows == want, plan
     attn = target.model.model.layers[0].self_attn
     fused = target._fused[0]["qkv"]
     assert attn.k_proj.weight.data_ptr() == fused.weight[attn.q_proj.out_features :].data_ptr()
     assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
+def test_row_plan_pads_to_a_faster_row_count_and_picks_the_faster_path():
+    """From measured seconds: each row count on its faster path; one that a larger row count
+    beats by more than 5 % runs as that one (the Zen 4's 2 rows, slower than 3 or 4); a pad that
+    gains less, or a smaller row count that is faster, changes nothing."""
+    from draftlab.models.cpu_gemm import RowPlan, plan_from_times
+
+    packed = {1: 24.0, 2: 29.0, 3: 25.0, 4: 20.0, 5: 20.5, 6: 23.0}
+    mkl = {1: 20.0, 2: 30.0, 3: 40.0}
+    seconds = {("packed", r): t for r, t in packed.items()} | {("mkl", r): t for r, t in mkl.items()}
+    plan = plan_from_times(seconds)
+    # 1 row: MKL's 20.0 against 4 rows' 20.0, no gain; 2 and 3 rows run as 4; 5 rows is within 5 % of its best
+    assert plan == RowPlan(mkl=frozenset({1}), pad={2: 4, 3: 4})
+    x = torch.randn(1, 2, 8)
+    calls = []
+    out = plan(x, lambda v: calls.append(("mkl", v.shape[0])) or v * 2, lambda v: calls.append(("packed", v.shape[0])) or v * 3)
+    assert calls == [("packed", 4)] and out.shape == x.shape and torch.equal(out, x * 3)
+    assert plan_from_times({("packed", 1): 10.0, ("packed", 2): 9.6}) == RowPlan()
+
+
 def test_shared_lm_head_decodes_on_the_targets_packed_weights(tiny_llama):
     """A drafter's shared lm_head (EAGLE-1's head): no-grad products of a few rows take the
     target's packed lm_head, larger ones and any with grad take the plain weight (the packed
     product has no backward); all equal the lm_head, and it is one object per target."""
-    from draftlab.models.cpu_gemm import PACKED_MAX_ROWS
+    from draftlab.models.cpu_gemm import PACKED_MAX_ROWS, RowPlan
 
     target = tiny_llama
     head = target.shared_lm_head
     assert head is target.shared_lm_head and head.weight is target.lm_head.weight
     assert not list(head.parameters())  # held by reference: nothing for a drafter to train or save
-    measured = target._mkl_rows()
-    target._small_mkl_rows = frozenset()  # force the packed path for 1..3 rows too
+    measured = target._row_plan()
+    target._small_row_plan = RowPlan()  # force the packed path for 1..3 rows too, unpadded
     packed, rows = target._packed[-1]["lm_head"], []
     target._packed[-1]["lm_head"] = lambda x: rows.append(x.shape[0]) or packed(x)
     try:
@@ -145,7 +173,7 @@ def test_shared_lm_head_decodes_on_the_targets_packed_weights(tiny_llama):
         assert rows == [1, 2]
     finally:
         target._packed[-1]["lm_head"] = packed
-        target._small_mkl_rows = measured
+        target._small_row_plan = measured
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

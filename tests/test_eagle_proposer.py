@@ -147,9 +147,10 @@ def test_min_confidence_is_the_product_of_top1_probabilities(tiny_llama):
 @pytest.mark.parametrize("algo", ["eagle1", "eagle3"])
 def test_decoding_copy_computes_what_the_drafter_does(tiny_llama, algo):
     """The proposer decodes with a copy whose linears run small row counts on oneDNN-packed
-    weights (or MKL where measured faster): same draft step for every row-count path; the
+    weights (or MKL where measured faster, or padded to a faster row count): same draft step for
+    every row-count path; the
     drafter itself is untouched and the target's embedding and lm_head stay shared."""
-    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, DecodeLinear, decoding_copy
+    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, DecodeLinear, RowPlan, decoding_copy
 
     d = _drafter(algo, tiny_llama).eval()
     c = decoding_copy(d)
@@ -157,14 +158,14 @@ def test_decoding_copy_computes_what_the_drafter_does(tiny_llama, algo):
     assert not any(isinstance(m, DecodeLinear) for m in d.modules())
     swapped = [m for m in c.modules() if isinstance(m, DecodeLinear)]
     assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in d.modules()) > 0
-    assert swapped[0].mkl_rows <= set(range(1, MKL_CANDIDATE_ROWS + 1))
+    assert swapped[0].plan.mkl <= set(range(1, MKL_CANDIDATE_ROWS + 1))
     g = torch.Generator().manual_seed(2)
     H = tiny_llama.hidden_size
     hidden = {i: torch.randn(1, PACKED_MAX_ROWS + 5, H, generator=g) for i in d.capture_layers}
     ids = torch.randint(0, tiny_llama.vocab_size, (1, PACKED_MAX_ROWS + 5), generator=g)
-    for mkl_rows in (frozenset(), frozenset(range(1, MKL_CANDIDATE_ROWS + 1))):
+    for plan in (RowPlan(), RowPlan(mkl=frozenset(range(1, MKL_CANDIDATE_ROWS + 1))), RowPlan(pad={1: 3, 2: 4})):
         for m in swapped:
-            m.mkl_rows = mkl_rows
+            m.plan = plan
         with torch.no_grad():
             for n in (PACKED_MAX_ROWS + 5, 1, 2, MKL_CANDIDATE_ROWS + 1):  # prefill on MKL, then small rows
                 pos = torch.arange(n)[None]
