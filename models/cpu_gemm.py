@@ -8,17 +8,18 @@ MKL's 1-row GEMM:
 
 | rows | Intel Xeon: MKL / oneDNN-packed | AMD EPYC (AVX2): MKL / oneDNN-packed | AMD EPYC (Zen 4, AVX-512): MKL / oneDNN-packed |
 |---|---|---|---|
-| 1 | 1.00 / - | 1.00 / 0.70 | 1.00 / 0.53 |
-| 2 | 1.06 / - | 1.77 / 0.81 | 1.73 / 0.60 |
-| 3 | 1.15 / - | 2.62 / 0.76 | 2.00 / 0.52 |
-| 4 | 1.8 / 1.27 | 1.90 / 0.88 | 1.31 / 0.44 |
-| 8 | - / 1.56 | 2.50 / 1.18 | 1.50 / 0.51 |
+| 1 | 1.00 / - | 1.00 / 0.70 | 1.00 / 0.52 |
+| 2 | 1.06 / - | 1.77 / 0.81 | 1.63 / 0.57 |
+| 3 | 1.15 / - | 2.62 / 0.76 | 2.03 / 0.50 |
+| 4 | 1.8 / 1.27 | 1.90 / 0.88 | 1.33 / 0.49 |
+| 6 | - | - | - / 0.44 |
+| 8 | - / 1.56 | 2.50 / 1.18 | 1.19 / 0.50 |
 
 So 4..PACKED_MAX_ROWS rows take oneDNN on packed weights and 1..MKL_CANDIDATE_ROWS rows whichever
 path measured faster for the weights at hand, and a row count that runs slower than a larger
 one up to PAD_CANDIDATE_ROWS is run as that one, zero rows appended (on the Zen 4 two rows cost
-more than three or four: a whole 2-row forward of the default target took 54 ms, padded to 4
-rows 45); all of it measured once per set of weights (:func:`measure_row_plan`). Larger batches
+more than three to six: a whole 2-row forward of the default target at a 500-token context took
+43.5 ms, padded to 6 rows 38.3); all of it measured once per set of weights (:func:`measure_row_plan`). Larger batches
 (prefill, capture, training) take MKL, which is as fast there and needs no second copy.
 """
 
