@@ -73,6 +73,14 @@ class RowPlan:
         y = product(torch.cat([flat, flat.new_zeros(run - rows, flat.shape[1])]))
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
+    def __str__(self) -> str:
+        rows = sorted(self.mkl)
+        runs = [r for i, r in enumerate(rows) if i == 0 or rows[i - 1] != r - 1]  # first row of each run of rows
+        ends = [r for i, r in enumerate(rows) if i == len(rows) - 1 or rows[i + 1] != r + 1]
+        on_mkl = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in zip(runs, ends)) or "none"
+        padded = ", ".join(f"{r} as {n}" for r, n in sorted(self.pad.items())) or "none"
+        return f"rows on MKL: {on_mkl}; rows padded: {padded}"
+
 
 ON_MKL = RowPlan(mkl=frozenset(range(1, PACKED_MAX_ROWS + 1)))  # where there is nothing to pack
 

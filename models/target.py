@@ -461,6 +461,12 @@ class Target:
         y = self._row_plan()(x, fused.product, lambda v: self._packed[i][name](v))
         return y.split(fused.sizes, dim=-1)
 
+    @property
+    def row_plan(self) -> RowPlan | None:
+        """How this target's small-row products run on this machine; None until a decode step
+        has measured it."""
+        return self._small_row_plan
+
     def _row_plan(self) -> RowPlan:
         """How up to PACKED_MAX_ROWS rows run. The first call packs the weights and times the
         paths (only decoding pays that; the target is frozen, so they never go stale)."""

@@ -140,6 +140,7 @@ def test_row_plan_pads_to_a_faster_row_count_and_picks_the_faster_path():
     plan = plan_from_times(seconds)
     # 1 row: MKL's 20.0 against 4 rows' 20.0, no gain; 2 and 3 rows run as 4; 5 rows is within 5 % of its best
     assert plan == RowPlan(mkl=frozenset({1}), pad={2: 4, 3: 4})
+    assert str(plan) == "rows on MKL: 1; rows padded: 2 as 4, 3 as 4"
     x = torch.randn(1, 2, 8)
     calls = []
     out = plan(x, lambda v: calls.append(("mkl", v.shape[0])) or v * 2, lambda v: calls.append(("packed", v.shape[0])) or v * 3)
