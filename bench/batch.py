@@ -120,7 +120,7 @@ def run(argv, args) -> int:
                           f"{ckpt.parent.parent.name}: {len(prompts)} held-out prompts x {args.max_new_tokens} tokens, greedy")
     note = (f"Checkpoint `{ckpt.relative_to(REPO) if ckpt.is_relative_to(REPO) else ckpt}`, {len(prompts)} held-out "
             f"ShareGPT prompts x {args.max_new_tokens} new tokens, greedy, {cpu_name()}, {torch.get_num_threads()} threads; "
-            f"the target's small-row GEMMs ({getattr(target, 'row_plan', None) or 'not measured'}); "
+            f"the target's small-row GEMMs ({target.row_plan or 'not measured'}); "
             f"{load_note(window)}. PNG: `{plot.relative_to(REPO)}`.")
     append_run("Speedup by batch size", started, "bench/batch.py", argv, f"{text}\n{note}")
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Callable
 
 import torch
@@ -74,10 +75,9 @@ class RowPlan:
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
     def __str__(self) -> str:
-        rows = sorted(self.mkl)
-        runs = [r for i, r in enumerate(rows) if i == 0 or rows[i - 1] != r - 1]  # first row of each run of rows
-        ends = [r for i, r in enumerate(rows) if i == len(rows) - 1 or rows[i + 1] != r + 1]
-        on_mkl = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in zip(runs, ends)) or "none"
+        # consecutive row counts as one span (ON_MKL: "1-64")
+        spans = [[r for _, r in g] for _, g in groupby(enumerate(sorted(self.mkl)), lambda p: p[1] - p[0])]
+        on_mkl = ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans) or "none"
         padded = ", ".join(f"{r} as {n}" for r, n in sorted(self.pad.items())) or "none"
         return f"rows on MKL: {on_mkl}; rows padded: {padded}"
 
