@@ -8,7 +8,8 @@ draft lengths, and the adaptive draft length.
 RUN_OR_CHECKPOINT defaults to runs/smollm2-135m-eagle3 (the README's main job). Its target and
 held-out ShareGPT split come from the checkpoint's recipe. ``inference.batch_eval.compare_batches``
 decodes, for each batch size, the prompts in groups of B, each group by plain decoding and by
-every configuration in turn, in an order balanced over the groups for what ran just before
+every configuration in lockstep (one step of each in turn, so the machine's slow spells slow
+them all alike), in an order balanced over the groups for what ran just before
 (``crossover_orders``; greedy; the prompts again until at
 least ``--min-groups`` groups are timed, so batch 16 is not one sample): every speedup is over
 the same plain decoding of the same groups. Configurations: n-gram prompt lookup
@@ -102,7 +103,7 @@ def run(argv, args) -> int:
     configs = configurations(ckpt, target, args.ks)
     speculations = {label: Speculation(proposer, shape, adaptive) for label, proposer, shape, adaptive in configs}
     target = configs[-1][1].verifier(target)  # the drafter's verifier (Medusa-2: its merged target) for all
-    print(f"{', '.join(speculations)}: each group of prompts decoded by each and by plain decoding, in turn", flush=True)
+    print(f"{', '.join(speculations)}: each group of prompts decoded by each and by plain decoding, in lockstep", flush=True)
     results = compare_batches(
         target, speculations, prompts, args.batch_sizes, max_new_tokens=args.max_new_tokens, seed=recipe.seed,
         eos_token_id=target.tokenizer.eos_token_id, min_groups=args.min_groups,
@@ -162,8 +163,8 @@ def tables(results: dict, batch_sizes: list[int]) -> str:
                    + "\n".join(f"- {m}" for m in margins) + "\n")
     cycle = len(crossover_orders(len(results) + 1))
     note = ("\nEvery configuration decoded the same groups of prompts, each group by plain decoding and by every "
-            "configuration in turn (orders balanced for what ran just before: each configuration ran right after each "
-            f"other equally often over every {cycle} groups); brackets: 90 % bootstrap interval over the groups.\n")
+            "configuration in lockstep, one step of each in turn (orders balanced for what ran just before: each "
+            f"configuration stepped right after each other equally often over every {cycle} groups); brackets: 90 % bootstrap interval over the groups.\n")
     return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + note + summary
 
 

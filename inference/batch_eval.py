@@ -2,7 +2,8 @@
 recipe).
 
 For each batch size B the prompts are decoded in consecutive groups of B, plain and
-speculative back to back on the same group (in a crossover order, :func:`crossover_orders`), with the
+speculative in lockstep on the same group (one step of each in turn,
+:func:`~draftlab.inference.decoder.run_lockstep`, in a crossover order, :func:`crossover_orders`), with the
 batched decoder (:mod:`draftlab.inference.decoder`) for both; :func:`compare_batches` measures
 several speculative configurations against one plain baseline that way (bench/batch.py). Per
 batch size: plain and speculative tokens/s (all rows' tokens over the groups' decoding time: the
@@ -28,7 +29,13 @@ from dataclasses import dataclass
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
-from draftlab.inference.decoder import BatchedSpeculativeDecoder, PromptCache, generate_plain_batch
+from draftlab.inference.decoder import (
+    BatchedSpeculativeDecoder,
+    PromptCache,
+    generate_plain_batch,
+    plain_batch_steps,
+    run_lockstep,
+)
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.proposer import Block, Chain
 
@@ -84,8 +91,9 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
                     eos_token_id=None, backend: str = "auto", progress=None, min_groups: int = 1) -> dict[str, dict]:
     """A ``batches`` section per speculative configuration (label -> section), all against one
     plain baseline: each group of B prompts is decoded by plain decoding and by every
-    configuration back to back, in the orders of :func:`crossover_orders` from group to group, so
-    the configurations are compared on the same groups under the same machine state. ``min_groups``: decode the
+    configuration in lockstep (one step of each in turn), in the orders of :func:`crossover_orders`
+    from group to group, so the configurations are compared on the same groups under the same
+    machine state, step by step. ``min_groups``: decode the
     prompts again (same groups) until each batch size has timed at least that many groups:
     large batch sizes have few groups, and one timing is one sample of the machine's noise."""
     if not prompts:
@@ -122,13 +130,12 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
         orders = crossover_orders(len(labels))
         for g, start in enumerate(starts):
             group = ids[start : start + B]
-            done = {}
-            for label in (labels[i] for i in orders[g % len(orders)]):
-                if label is None:
-                    done[None] = generate_plain_batch(target, group, seed=seed + start, **opts)
-                else:
-                    done[label] = decoders[label].generate(group, shape=speculations[label].shape, seed=seed + start,
-                                                           policy=policies[label], **opts)
+            order = [labels[i] for i in orders[g % len(orders)]]
+            done = dict(zip(order, run_lockstep([
+                plain_batch_steps(target, group, seed=seed + start, **opts) if label is None else
+                decoders[label].steps(group, shape=speculations[label].shape, seed=seed + start, policy=policies[label], **opts)
+                for label in order
+            ])))
             plain_outputs[B] += [r.tokens for r in done[None].rows]
             for label in speculations:
                 run[label].add(done[label], done[None], greedy)

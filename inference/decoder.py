@@ -107,15 +107,40 @@ def _sampling(device, temperature: float, top_k: int, top_p: float, seed: int) -
 
 
 class _Clock:
-    """perf_counter that waits for queued GPU work, so the split between phases is honest."""
+    """perf_counter that waits for queued GPU work, so the split between phases is honest, less
+    the time its decoding spent suspended between steps (:func:`run_lockstep`)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.suspended = 0.0
 
     def __call__(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return time.perf_counter() - self.suspended
+
+    def pause(self):
+        """Yield between two steps; the time until resumed is other decodings', not this one's."""
+        t = self()
+        yield
+        self.suspended += self() - t
+
+
+def run_lockstep(decodings) -> list:
+    """Run stepwise decodings (``plain_batch_steps``, ``BatchedSpeculativeDecoder.steps``) one
+    step of each in turn until all have finished; their results in the same order. Each one's
+    times count only its own steps. Why: decodings compared back to back on this VM differ by
+    its slow spells, which outlast a decoding (three runs of the same plain-only steps at batch
+    8 read 0.94x, 1.01x and 1.04x plain decoding); in lockstep a spell slows every one of them."""
+    results, going = [None] * len(decodings), dict(enumerate(decodings))
+    while going:
+        for i, steps in list(going.items()):
+            try:
+                next(steps)
+            except StopIteration as done:
+                results[i] = done.value
+                del going[i]
+    return results
 
 
 class _Emitter:
@@ -367,6 +392,15 @@ def generate_plain_batch(target, prompt_ids, max_new_tokens: int, temperature: f
                          prompt_cache: PromptCache | None = None) -> BatchResult:
     """Plain autoregressive decoding of a batch: one target forward per step over every row
     still decoding. ``prompt_cache``: prefills to reuse and to keep (:class:`PromptCache`)."""
+    return run_lockstep([plain_batch_steps(target, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                           eos_token_id, prompt_cache)])[0]
+
+
+@torch.no_grad()
+def plain_batch_steps(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int = 0, eos_token_id=None, prompt_cache: PromptCache | None = None):
+    """:func:`generate_plain_batch` a step at a time: a generator that yields after each step
+    and returns the :class:`BatchResult` (:func:`run_lockstep`)."""
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     device = target.device
     clock, verify = _Clock(device), _Stopwatch(device)
@@ -388,6 +422,7 @@ def generate_plain_batch(target, prompt_ids, max_new_tokens: int, temperature: f
         if len(batch.rows) < rows_before:  # as the speculative loop: only when rows left
             batch.compact(cache)
         steps += 1
+        yield from clock.pause()
     t2 = clock()
     return BatchResult(
         _results(batch, {"num_steps": [len(e.tokens) - 1 for e in batch.emitters]}),
@@ -469,12 +504,20 @@ class BatchedSpeculativeDecoder:
     def __init__(self, target, proposer: Proposer, backend: str = "auto"):
         self.target, self.proposer, self.backend = target, proposer, backend
 
-    @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, shape: Shape = Chain(3), temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None, policy=None,
                  on_step=None, prompt_cache: PromptCache | None = None) -> BatchResult:
         """``on_step(row, tokens)``, when given, is called with each row's newly emitted tokens
         (streaming); ``prompt_cache``: prefills to reuse and to keep (:class:`PromptCache`)."""
+        return run_lockstep([self.steps(prompt_ids, max_new_tokens, shape, temperature, top_k, top_p, seed,
+                                        eos_token_id, policy, on_step, prompt_cache)])[0]
+
+    @torch.no_grad()
+    def steps(self, prompt_ids, max_new_tokens: int, shape: Shape = Chain(3), temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None, policy=None,
+              on_step=None, prompt_cache: PromptCache | None = None):
+        """:meth:`generate` a step at a time: a generator that yields after each step and returns
+        the :class:`BatchResult` (:func:`run_lockstep`)."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p)
         check_shape(shape, self.proposer.shapes, self.proposer.name)
         chain = isinstance(shape, (Chain, Block))
@@ -544,6 +587,7 @@ class BatchedSpeculativeDecoder:
                 proposers.select(going)
                 batch.compact(cache)
             pending = [pending[p] + [(v.tokens[p], v.hidden[p])] for p in going]
+            yield from clock.pause()
         t2 = clock()
         per_row["num_steps"] = [len(a) for a in per_row["accept_lengths"]]
         return BatchResult(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ from draftlab.inference import adaptive
 from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost, attended_context
 from draftlab.inference.batch_eval import (Speculation, compare_batches, crossover_orders, evaluate_batches, parse_batch_sizes,
                                           speedup_interval)
-from draftlab.inference.decoder import BatchedSpeculativeDecoder, _cache_slots, generate_plain, generate_plain_batch
+from draftlab.inference.decoder import (BatchedSpeculativeDecoder, _cache_slots, generate_plain, generate_plain_batch,
+                                        plain_batch_steps, run_lockstep)
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.prompts import EvalPrompt
 from draftlab.inference.proposer import PROPOSERS, Block, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
@@ -536,15 +538,15 @@ def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
 
 
 def test_compare_batches_measures_every_configuration_against_one_plain_decoding(tiny_llama, prompts, alone, monkeypatch):
-    """Each group is decoded once by plain decoding and once by each configuration, in the
-    crossover orders group by group; every configuration's speedup is over that one plain decoding."""
+    """Each group is decoded once by plain decoding and once by each configuration, in lockstep in
+    the crossover orders group by group; every configuration's speedup is over that one plain decoding."""
     import draftlab.inference.batch_eval as batch_eval
 
     calls = []
-    plain = batch_eval.generate_plain_batch
-    monkeypatch.setattr(batch_eval, "generate_plain_batch", lambda *a, **k: calls.append("plain") or plain(*a, **k))
-    decode = BatchedSpeculativeDecoder.generate
-    monkeypatch.setattr(BatchedSpeculativeDecoder, "generate",
+    plain = batch_eval.plain_batch_steps
+    monkeypatch.setattr(batch_eval, "plain_batch_steps", lambda *a, **k: calls.append("plain") or plain(*a, **k))
+    decode = BatchedSpeculativeDecoder.steps
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "steps",
                         lambda self, *a, **k: calls.append(self.proposer.name) or decode(self, *a, **k))
     ps = [EvalPrompt("c", p, str(i)) for i, p in enumerate(prompts)]
     specs = {"ngram": Speculation(NgramProposer(), Chain(2)),
@@ -563,6 +565,27 @@ def test_compare_batches_measures_every_configuration_against_one_plain_decoding
             assert lo <= e["speedup"] <= hi and e["greedy_match"] == ("6/6", "12/12")[b]
     assert res["oracle adaptive"]["verify_cost_s"] and res["ngram"]["verify_cost_s"] is None
     assert "alpha_by_context" in res["oracle adaptive"]["entries"][0]
+
+
+def test_lockstep_runs_a_step_of_each_in_turn_and_times_each_alone(tiny_llama, prompts, alone):
+    """run_lockstep advances each decoding one step in turn (to the end of the longest), returns
+    each one's result, and a decoding's times leave out the steps of the others it waited on."""
+    log = []
+
+    def stepper(name, n, pause=0.0):
+        for i in range(n):
+            time.sleep(pause)
+            log.append(name)
+            yield
+        return name
+
+    assert run_lockstep([stepper("a", 3), stepper("b", 1), stepper("c", 2)]) == ["a", "b", "c"]
+    assert log == ["a", "b", "c", "a", "c", "a"]
+    alone_res = generate_plain_batch(tiny_llama, prompts, N_NEW)
+    res, _ = run_lockstep([plain_batch_steps(tiny_llama, prompts, N_NEW), stepper("slow", N_NEW + 2, pause=0.05)])
+    assert [r.tokens for r in res.rows] == alone and res.num_steps == alone_res.num_steps
+    # the slow decoding slept 0.05 s after each of plain decoding's N_NEW - 1 steps
+    assert res.total_time < 0.05 * (N_NEW - 1) / 2 and res.total_time < 5 * alone_res.total_time + 0.05
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
