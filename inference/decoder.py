@@ -355,6 +355,10 @@ class _Batch:
         self.slots = [self.slots[p] for p in going]
         return going
 
+    def remaining(self) -> list[int]:
+        """Each active row's tokens left before its budget ends."""
+        return [self.emitters[r].max_new_tokens - len(self.emitters[r].tokens) for r in self.rows]
+
     def compact(self, cache) -> None:
         """Drop the idle rows from ``cache`` once they are half of it or more; until then an
         idle row's length is 0 (its dummy inputs need no room beyond what the cache has)."""
@@ -492,10 +496,10 @@ class SpeculativeDecoder:
 class BatchedSpeculativeDecoder:
     """``BatchedSpeculativeDecoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``.
 
-    ``policy`` (chain and block shapes): an object with ``choose(batch_size, previous, lengths) -> k``
-    (0 = a plain step, the same step as plain decoding's; ``previous``: each row's last step's
-    (drafted, accepted), None before its first; ``lengths``: the tokens each row holds in the KV
-    cache) and ``observe(batch_size, k, accepted,
+    ``policy`` (chain and block shapes): an object with ``choose(batch_size, previous, lengths,
+    remaining) -> k`` (0 = a plain step, the same step as plain decoding's; ``previous``: each row's
+    last step's (drafted, accepted), None before its first; ``lengths``: the tokens each row holds
+    in the KV cache; ``remaining``: each row's tokens left before ``max_new_tokens``) and ``observe(batch_size, k, accepted,
     draft_seconds, step_seconds)``, asked at every step (``draft_seconds`` is None unless the
     drafting advanced every row by exactly the last step's tokens: not after plain steps, nor at
     the first step; ``step_seconds``: the rest of the step); without one every step drafts
@@ -554,7 +558,8 @@ class BatchedSpeculativeDecoder:
             step_start, drafted_before = clock(), draft.seconds
             step_shape = shape
             if policy is not None:
-                k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows], list(cache.lengths))
+                k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows], list(cache.lengths),
+                                  batch.remaining())
                 step_shape = type(shape)(k) if k > 0 else None
                 asked.append(k)
             # what k positions cost: a step whose drafting advanced every row by one step's

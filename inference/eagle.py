@@ -208,6 +208,7 @@ class EagleChains(RowProposers):
     def __init__(self, proposer: EagleProposer, n: int):
         super().__init__([])
         self.drafter, self.name, self.n = proposer.drafter, proposer.name, n
+        self.live = list(range(n))  # the row of the drafter's cache of each row still decoding
         self.cache = self.drafter.new_cache()
         self.pos = [0] * n
         self.valid = None  # Bool[n, cache.length]: slot s holds one of row b's committed positions
@@ -254,7 +255,7 @@ class EagleChains(RowProposers):
         self.valid = torch.arange(width, device=self.last_h.device)[None] < torch.tensor(self.pos, device=self.last_h.device)[:, None]
 
     def advance(self, accepted, hidden, rows) -> None:
-        self._extend([a.reshape(-1) for a in accepted], hidden, rows)
+        self._extend([a.reshape(-1) for a in accepted], hidden, [self.live[r] for r in rows])
 
     @torch.no_grad()
     def _extend(self, tokens: list[torch.Tensor], hidden: list[dict], rows: list[int]) -> None:
@@ -310,9 +311,17 @@ class EagleChains(RowProposers):
                 logits = lg[:, -1]
         self.cache.crop(committed)
         tokens = torch.stack(drafts, 1)  # [n, k]
-        return [ChainDraft(tokens[r, : int(keep[r])], None) for r in range(n)]
+        return [ChainDraft(tokens[r, : int(keep[r])], None) for r in self.live]
 
     def select(self, rows: list[int]) -> None:
+        """Keep the rows at ``rows``. The rows that left stay in the drafter's cache, drafted
+        along and never read, until half of it has left, as in the target's cache. Why: copying
+        the cache at each row's end cost 13-16 ms a row at batch 16 with a 2,544-token prompt on
+        the Zen 4 EPYC, and plain steps of the adaptive policy 1.8 % more than plain decoding's."""
+        self.live = [self.live[r] for r in rows]
+        if len(self.live) > self.n // 2:
+            return
+        rows, self.live = self.live, list(range(len(self.live)))
         index = torch.tensor(rows, dtype=torch.long, device=self.last_h.device)
         self.cache.k = [None if k is None else k.index_select(0, index) for k in self.cache.k]
         self.cache.v = [None if v is None else v.index_select(0, index) for v in self.cache.v]

@@ -289,6 +289,35 @@ def test_adaptive_policy_follows_cost_and_acceptance():
     assert slow.drafting[1] == [1.5, 3]
 
 
+def test_adaptive_policy_prices_the_wait_for_a_batchs_last_row():
+    """A batch that ends with its last row: drafting spreads the rows apart, and the expected
+    largest of B rows' step counts grows with B (Blom's c_B: 0 for one row, 1.05 for 4). With
+    alpha 0.33 and a draft step at 1.2x a plain one, k = 1 pays per token (1.33 / 1.2 > 1.05)
+    at batch 1 and, counting the wait for the slowest of 4 rows, not at batch 4 (47 / 37.5 / 1.2); without
+    ``remaining`` every token counts alike, as rows replaced when they end would."""
+    A = AdaptiveDraftLength
+    assert A.token_variance(0, [0.5]) == 0.0
+    assert A.token_variance(1, [0.33]) == pytest.approx(0.33 * 0.67)  # 1 or 2 tokens
+    assert A.token_variance(2, [1.0, 0.5]) == pytest.approx(0.25)  # 2 or 3 tokens
+    assert A.batch_steps(0, [([0.3], 47), ([0.9], 40)]) == 47  # plain: the row with most left
+    one = A.batch_steps(1, [([0.33], 47)])
+    assert one == pytest.approx(47 / 1.33)
+    four = A.batch_steps(1, [([0.33], 47)] * 4)
+    assert four == pytest.approx(47 / 1.33 + 1.049 * (47 * 0.33 * 0.67 / 1.33 ** 3) ** 0.5, rel=1e-3)  # exact c_4: 1.029
+    assert A.batch_steps(1, [([0.33], 47), ([0.1], 47)]) > A.batch_steps(1, [([0.33], 47)] * 2)  # the laggard decides
+
+    policy = AdaptiveDraftLength(VerifyCost({(b, k, 64): 1.0 + 0.2 * k for b in (1, 4) for k in range(2)}), max_k=1,
+                                 confidence=0.0)
+    policy.observe(1, 1, [1] * 330 + [0] * 670, draft_seconds=0.0)  # alpha 0.33
+    for b in (1, 4):
+        for _ in range(4):  # both kinds measured: no cost probes
+            for k in (0, 1):
+                policy.observe(b, k, [0] * b, step_seconds=1.0 + 0.2 * k)
+    assert policy.choose(1, remaining=[47]) == 1
+    assert policy.choose(4, remaining=[47] * 4) == 0
+    assert policy.choose(4) == 1  # rows replaced as they end: 1.33 / 1.2 > 1.05
+
+
 def test_adaptive_policy_drafts_after_accepted_runs():
     """Acceptance comes in runs: rows that accepted their last draft accept the next, rows that
     rejected it do not. Pooled (alpha 0.5) a draft that costs 0.6 of a step does not pay; per
@@ -396,7 +425,7 @@ def test_adaptive_policy_scales_the_model_by_what_steps_measured():
     model, than the plain steps beside them (bookkeeping) make it stop paying (1.7 / 3.6 < 1.05 / 2)."""
     policy = AdaptiveDraftLength(_cost(0.5), max_k=1, confidence=0.0)
     policy.observe(1, 1, [1] * 70 + [0] * 30, draft_seconds=0.0)
-    plain, draft = policy.rates(1, {"pooled": 1}, policy.alpha)
+    plain, draft = policy.rates(1, ["pooled"], policy.alpha)
     assert draft > plain  # the model alone: 1.7 / 1.5 > 1.05
     for _ in range(4):
         policy.observe(1, 0, [0], step_seconds=2.0)
@@ -477,7 +506,7 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
     import draftlab.inference.decoder as decoder_module
 
     class Never:
-        def choose(self, B, previous, lengths):
+        def choose(self, B, previous, lengths, remaining):
             return 0
 
         def observe(self, *args):
@@ -496,7 +525,7 @@ def test_decoder_reports_drafting_seconds_only_for_one_steps_advance(tiny_llama,
     class Script:
         ks, seen = [1, 1, 0, 1, 1], []
 
-        def choose(self, B, previous, lengths):
+        def choose(self, B, previous, lengths, remaining):
             return self.ks[len(self.seen)] if len(self.seen) < len(self.ks) else 0
 
         def observe(self, B, k, accepted, draft_seconds, step_seconds):
@@ -683,6 +712,13 @@ def test_eagle_chains_drafted_together_equal_row_by_row(tiny_llama, prompts, alo
             assert len({d.tokens.numel() for d in a}) > 1, [d.tokens for d in a]  # rows stopped on their own
         if step == 0:
             _advance_rows(tiny_llama, prompts, alone, proposer.layers, kept, together, by_row)
+    # rows leave: the first leaves its drafter cache row in place, the second halves the cache
+    for rows, cache_rows in (([0, 2], 3), ([1], 1)):
+        for props in (together, by_row):
+            props.select(rows)
+        assert together.cache.k[0].shape[0] == cache_rows
+        a, b = together.propose(shape), by_row.propose(shape)
+        assert len(a) == len(rows) and [d.tokens.tolist() for d in a] == [d.tokens.tolist() for d in b]
     res = BatchedSpeculativeDecoder(tiny_llama, proposer).generate(prompts, N_NEW, shape)
     assert [r.tokens for r in res.rows] == alone
 
