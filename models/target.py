@@ -231,6 +231,9 @@ class RaggedKVCache:
         self.lengths = [n + T for n in self.lengths]
 
 
+# KV cache rows hold a multiple of this many slots (Target.new_cache).
+CACHE_SLOT_MULTIPLE = 64
+
 # Cost of one more attention call, in row-slots of K/V read (one row-slot of SmolLM2-135M is
 # 1.5 KB per layer): a call costs tens of microseconds on CPU, about what reading a few hundred
 # slots costs.
@@ -375,10 +378,17 @@ class Target:
 
     # ------------------------------------------------------------------ forward
     def new_cache(self, batch_size: int, max_len: int, ragged: bool = False) -> KVCache | RaggedKVCache:
-        """An empty KV cache of ``max_len`` slots per row: one length for the batch, or one per
-        row (``ragged``, batched decoding)."""
+        """An empty KV cache of at least ``max_len`` slots per row: one length for the batch, or
+        one per row (``ragged``, batched decoding).
+
+        The slots are rounded up to a multiple of CACHE_SLOT_MULTIPLE, so that decodings whose
+        rooms differ by a few slots (a speculative decoder's holds its drafts) lay out their
+        rows alike: at batch 16 on the Zen 4 EPYC, the speculative decoder's plain steps over
+        a cache 2 slots longer than plain decoding's took 0.8-1.2 % longer, and -0.2-0.3 % with
+        both rounded (whole-decoding totals, in lockstep)."""
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        max_len = -(-max_len // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
         shape = (self.num_layers, batch_size, c.num_key_value_heads, max_len, head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.dtype, device=self.device)
