@@ -317,7 +317,7 @@ class EagleChains(RowProposers):
         """Keep the rows at ``rows``. The rows that left stay in the drafter's cache, drafted
         along and never read, until half of it has left, as in the target's cache. Why: copying
         the cache at each row's end cost 13-16 ms a row at batch 16 with a 2,544-token prompt on
-        the Zen 4 EPYC, and plain steps of the adaptive policy 1.8 % more than plain decoding's."""
+        the Zen 4 EPYC (44 ms in all for a group of 16 rows at fixed k = 1)."""
         self.live = [self.live[r] for r in rows]
         if len(self.live) > self.n // 2:
             return
