@@ -43,6 +43,8 @@ speedup falls from 1.73x at batch 1 to 1.21x at batch 128).
 
 from __future__ import annotations
 
+import itertools
+import operator
 import statistics
 
 import torch
@@ -224,23 +226,21 @@ class AdaptiveDraftLength:
                 for j, a in enumerate(self.alpha(context), start=1)]
 
     @staticmethod
-    def expected_tokens(k: int, alpha: list[float]) -> float:
-        e, p = 1.0, 1.0
-        for a in alpha[:k]:
-            p *= a
-            e += p
-        return e
+    def _run_tails(k: int, alpha: list[float]) -> list[float]:
+        """P(the accepted run reaches j), j = 1..k: the products of alpha up to j."""
+        return list(itertools.accumulate(alpha[:k], operator.mul))
 
-    @staticmethod
-    def token_variance(k: int, alpha: list[float]) -> float:
-        """The variance of a row's tokens from one step drafting k (1 + the accepted run)."""
-        moments, reach = [0.0, 0.0], 1.0  # E[n], E[n^2]; reach: P(the run gets to draft j + 1)
-        for j in range(k + 1):
-            stop = reach * (1 - alpha[j] if j < k else 1.0)
-            moments[0] += (j + 1) * stop
-            moments[1] += (j + 1) ** 2 * stop
-            reach *= alpha[j] if j < k else 0.0
-        return moments[1] - moments[0] ** 2
+    @classmethod
+    def expected_tokens(cls, k: int, alpha: list[float]) -> float:
+        """A row's tokens from one step drafting k: 1 + the mean accepted run."""
+        return 1.0 + sum(cls._run_tails(k, alpha))
+
+    @classmethod
+    def token_variance(cls, k: int, alpha: list[float]) -> float:
+        """The variance of a row's tokens from one step drafting k (that of the accepted run:
+        E[run^2] = sum_j (2j - 1) P(run >= j))."""
+        tails = cls._run_tails(k, alpha)
+        return sum((2 * j - 1) * p for j, p in enumerate(tails, start=1)) - sum(tails) ** 2
 
     @classmethod
     def batch_steps(cls, k: int, remaining: list[tuple[list[float], int]]) -> float:
