@@ -13,9 +13,12 @@ evaluation's), the batch's tokens left over the expected seconds until its last 
   1, 2, 3-4, 5-8, ...) measured against that: a factor shared by both kinds of step (the least of
   the last 8, within the last 32 steps: ragged rows, the machine's drift) and, for a drafting
   step, its own factor over a plain one (the median ratio of consecutive drafting and plain
-  steps, shrunk towards 1: accept kernel, padding, bookkeeping); plus the
-  drafting's (seconds per draft position at that batch size, measured while decoding: drafting
-  cost differs by family, and by whether it drafts row by row or all rows at once);
+  steps, shrunk towards 1: accept kernel, padding, bookkeeping); plus the drafting: proposing
+  (seconds per draft position at that batch size, measured while decoding: drafting cost
+  differs by family, and by whether it drafts row by row or all rows at once) and, before it,
+  the drafter's catch-up on the tokens it has not read (a line in the tokens, fitted to the
+  catch-ups measured at that batch size; :meth:`AdaptiveDraftLength.catch_up_seconds`): all of
+  the plain steps' tokens for a draft after them, one step's tokens for each draft after that;
 - ``alpha_i(r)``: the acceptance observed so far at draft position i in row r's context (what
   its last step's draft did: rejected, partly or wholly accepted), shrunk towards the acceptance
   of all rows, which has a Laplace prior ((accepted + 1) / (reached + 2)). A probe that most rows
@@ -34,7 +37,9 @@ for a probe whenever two of the four rows had just accepted their draft. Costs a
 explored too: while one kind of step (plain or drafting) has been measured fewer than 4 times in
 a range and its predicted rate is within one step's timing noise (10 %) of the chosen kind's,
 the policy takes it. Plain decoding keeps a tie: a draft must be predicted to gain more than
-``min_gain`` (5 %), the error of the predicted step seconds seen per batch of prompts.
+``min_gain`` (5 %), the error of the predicted step seconds seen per batch of prompts. A plain
+step that wins by m % is taken for the next m steps of its batch (at most ``window``) without
+deciding again: deciding costs more than it changes there.
 
 Why: with more rows the verify forward turns from weight-bound to compute-bound, so a draft
 that pays at batch 1 can cost more than it yields at batch 16 (SpecDecodeBench: EAGLE's
@@ -43,6 +48,8 @@ speedup falls from 1.73x at batch 1 to 1.21x at batch 128).
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import operator
 import statistics
@@ -131,12 +138,18 @@ def attended_context(lengths: list[int]) -> float:
     return sum((hi - lo) * span for lo, hi, span in attention_groups(spans)) / len(spans) - 1
 
 
+@functools.cache
+def _largest_normal(n: int) -> float:
+    """The expected largest of n standard normals (Blom's approximation; 0 for one)."""
+    return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+
+
 class AdaptiveDraftLength:
     """The decoding policy of :class:`~draftlab.inference.decoder.BatchedSpeculativeDecoder`:
-    ``choose(B, previous, lengths) -> k`` before a step, ``observe(B, k, accepted, draft_seconds,
-    step_seconds)`` after it. One policy may serve many batches (an evaluation keeps one across
-    batch sizes: acceptance does not depend on the batch size, and a server would not forget it
-    either).
+    ``choose(B, previous, lengths, remaining, pending) -> k`` before a step, ``observe(B, k,
+    accepted, draft_seconds, step_seconds, catch_up)`` after it. One policy may serve many
+    batches (an evaluation keeps one across batch sizes: acceptance does not depend on the batch
+    size, and a server would not forget it either).
 
     Acceptance is kept per *context*: what the row's last step did (its first draft rejected;
     some drafts accepted; every draft accepted); a row whose last step drafted nothing (a plain
@@ -165,18 +178,30 @@ class AdaptiveDraftLength:
         # batch size -> [seconds, draft positions] of the steps that drafted: per-row proposers
         # cost B times a row's drafting, batched ones (EagleChains) about one row's
         self.drafting: dict[int, list[float]] = {}
+        # batch size -> the drafter's catch-ups (tokens read, seconds), the last ``history``
+        self.catch_ups: dict[int, list[tuple[int, float]]] = {}
         # batch-size range -> its steps' (step number, drafted?, measured seconds (drafting
         # apart) over the start-up model's), the last ``history``
         self.step_ratios: dict[int, list[tuple[int, bool, float]]] = {}
+        # kept up as steps come and go, not rescanned: per range, the (step number, ratio of the
+        # drafting to the plain one) of consecutive steps of the two kinds among those kept, the
+        # drafting extra they give, and how many steps of each kind are kept (rescanning the
+        # history at every step was a fifth of choose's and observe's work at batch 4 on the
+        # AMD EPYC: 0.082 ms a step, 0.065 without, timed apart from the target)
+        self._pairs: dict[int, list[tuple[int, float]]] = {}
+        self._extra: dict[int, float] = {}
+        self._kinds: dict[int, list[int]] = {}
         self.steps = 0  # steps observed
         self.chosen: list[int] = []
         self._contexts: list[str] = []  # the rows' contexts at the last choose
         # at the last choose: B, the rows the forward runs and the attended context
         self._context: tuple[int, int, float | None] = (0, 0, None)
-        # what the history says, per batch-size range, kept until the next observation: rescanning
-        # it for every k and estimate made choose and observe cost 1.3 ms a step at batch 16 on
-        # the AMD EPYC (0.6 % of the step; 0.3 ms with this and one attention grouping per step)
+        # what the recent steps say, per batch-size range, kept until the next observation
         self._memo: dict[int, tuple[float, float, int, int]] = {}
+        self._lines: dict[int, tuple[float, float]] = {}  # batch size -> the catch-ups' (intercept, slope)
+        # (until which step, B, rows the forward runs, most tokens a row has left): plain steps
+        # chosen without deciding (:meth:`choose`)
+        self._hold: tuple[int, int, int, int | None] | None = None
 
     def measured(self, drafting: bool, B: int) -> int:
         """Steps of a kind measured in B's range (within the history kept)."""
@@ -186,17 +211,32 @@ class AdaptiveDraftLength:
         """B's range: (drafting extra, level, plain steps measured, drafting steps measured)."""
         r = self._range(B)
         if r not in self._memo:
-            steps = self.step_ratios.get(r, [])
-            pairs = [(b[2] / a[2]) ** (1 if b[1] else -1) for a, b in zip(steps, steps[1:]) if a[1] != b[1] and b[0] == a[0] + 1]
+            extra = self._extra.get(r, 1.0)
+            recent = [x / (extra if drafted else 1.0) for step, drafted, x in self.step_ratios.get(r, [])[-self.window:]
+                      if step > self.steps - self.memory]
+            plain, drafting = self._kinds.get(r, (0, 0))
+            self._memo[r] = (extra, min(recent) if recent else 1.0, plain, drafting)
+        return self._memo[r]
+
+    def _keep_step(self, r: int, drafted: bool, ratio: float) -> None:
+        """Keep a step's ratio to the model in range r, the last ``history``, and what they give."""
+        steps = self.step_ratios.setdefault(r, [])
+        pairs, kinds = self._pairs.setdefault(r, []), self._kinds.setdefault(r, [0, 0])
+        paired = bool(steps) and steps[-1][1] != drafted and steps[-1][0] == self.steps - 1
+        if paired:
+            pairs.append((self.steps, (ratio / steps[-1][2]) ** (1 if drafted else -1)))
+        steps.append((self.steps, drafted, ratio))
+        kinds[drafted] += 1
+        while len(steps) > self.history:
+            kinds[steps.pop(0)[1]] -= 1
+        while pairs and pairs[0][0] - 1 < steps[0][0]:  # a pair whose first step left the history
+            pairs.pop(0)
+            paired = True
+        if paired:
             # the model's 1.0 counts as window / 2 pairs: one pair is two noisy steps (at batch 4
             # on the AMD EPYC a single pair read 0.91, and with no plain step after it the policy
             # priced drafting 9 % cheaper for the rest of the run)
-            extra = statistics.median(pairs + [1.0] * (self.window // 2)) if pairs else 1.0
-            recent = [x / (extra if drafted else 1.0) for step, drafted, x in steps[-self.window:]
-                      if step > self.steps - self.memory]
-            drafting = sum(d for _, d, _ in steps)
-            self._memo[r] = (extra, min(recent) if recent else 1.0, len(steps) - drafting, drafting)
-        return self._memo[r]
+            self._extra[r] = statistics.median([x for _, x in pairs] + [1.0] * (self.window // 2)) if pairs else 1.0
 
     @classmethod
     def context(cls, last: tuple[int, int] | None) -> str:
@@ -251,12 +291,29 @@ class AdaptiveDraftLength:
         and drafting spreads the rows apart. On the Zen 4 EPYC, fixed k = 1 cut a row's steps
         for 48 tokens to 35 on average (tau 1.33, 1.27x a plain step's cost at batch 4), but
         groups of 4 took 36-42 steps, and batch 4 ran at 0.94x plain decoding."""
-        c = statistics.NormalDist().inv_cdf((len(remaining) - 0.375) / (len(remaining) + 0.25)) if len(remaining) > 1 else 0.0
+        c = _largest_normal(len(remaining))
         worst = 0.0
-        for alpha, n in remaining:
+        for alpha, n in {(tuple(alpha), n) for alpha, n in remaining}:  # rows alike count once
             e = cls.expected_tokens(k, alpha)
             worst = max(worst, n / e + c * (n * cls.token_variance(k, alpha) / e ** 3) ** 0.5)
         return worst
+
+    def catch_up_seconds(self, B: int, tokens: float) -> float:
+        """The drafter of B rows reading ``tokens`` (all rows') it has not read: a least-squares
+        line (intercept and slope at least 0) through the catch-ups measured at B, else at the
+        nearest batch size measured; their mean where they all read as many tokens; 0 for no
+        token or before any catch-up. Why a line: the drafter runs one forward over them all, so
+        a catch-up has a fixed cost and one per token (at batch 4 on the AMD EPYC, 6.2 ms for 8
+        tokens, 13.0 ms for 64)."""
+        if tokens <= 0 or not self.catch_ups:
+            return 0.0
+        b = min(self.catch_ups, key=lambda b: (abs(b - B), b))
+        if b not in self._lines:
+            xs, ys = zip(*self.catch_ups[b])
+            slope = max(statistics.linear_regression(xs, ys).slope, 0.0) if len(set(xs)) > 1 else 0.0
+            self._lines[b] = (max(statistics.fmean(ys) - slope * statistics.fmean(xs), 0.0), slope)
+        intercept, slope = self._lines[b]
+        return intercept + slope * tokens
 
     def draft_seconds(self, B: int, k: int) -> float:
         """k draft positions at batch size B: the mean cost of a position measured at B, else at
@@ -306,59 +363,104 @@ class AdaptiveDraftLength:
         return self.target_seconds(run or B, k, context) + self.draft_seconds(B, k)
 
     def rates(self, B: int, rows: list[str], alpha, context: float | None = None, run: int | None = None,
-              remaining: list[int] | None = None) -> list[float]:
+              remaining: list[int] | None = None, pending: int = 0) -> list[float]:
         """Expected tokens per second of each k = 0..max_k for ``rows`` (each row's context,
         acceptance ``alpha(context)``) at the attended ``context``, the forward running ``run``
         rows; with ``remaining`` (each row's tokens left), the rows' tokens left over the seconds
         until the last row ends (:meth:`batch_steps`); plain steps' (k = 0) counted ``min_gain``
-        higher."""
+        higher. A drafting k pays the drafter's catch-up on the ``pending`` tokens (all rows')
+        first, and with ``remaining``, on each later step's tokens too."""
+        return self._rates(B, rows, alpha, [self.predicted_seconds(B, k, context, run) for k in range(self.max_k + 1)],
+                           remaining, pending)
+
+    def _rates(self, B: int, rows: list[str], alpha, step_seconds: list[float], remaining: list[int] | None,
+               pending: int) -> list[float]:
+        """:meth:`rates` from each k's predicted step seconds."""
         alphas = {c: alpha(c) for c in set(rows)}
+        counts = collections.Counter(rows)
         out = []
-        for k in range(self.max_k + 1):
-            seconds = self.predicted_seconds(B, k, context, run)
+        for k, seconds in enumerate(step_seconds):
+            step_tokens = sum(n * self.expected_tokens(k, alphas[c]) for c, n in counts.items())
             if remaining:
                 tokens = sum(remaining)
-                seconds *= self.batch_steps(k, [(alphas[c], n) for c, n in zip(rows, remaining)])
+                steps = self.batch_steps(k, [(alphas[c], n) for c, n in zip(rows, remaining)])
+                seconds *= steps
+                if k:
+                    seconds += max(steps - 1, 0.0) * self.catch_up_seconds(B, step_tokens)
             else:
-                tokens = sum(self.expected_tokens(k, alphas[c]) for c in rows)
+                tokens = step_tokens
+            if k:
+                seconds += self.catch_up_seconds(B, pending)
             out.append(tokens / seconds * (1 + self.min_gain if k == 0 else 1))
         return out
 
     def choose(self, B: int, previous: list[tuple[int, int] | None] | None = None,
-               lengths: list[int] | None = None, remaining: list[int] | None = None) -> int:
+               lengths: list[int] | None = None, remaining: list[int] | None = None,
+               pending: list[int] | None = None) -> int:
         """The draft length of the next step of B rows; ``previous``: each row's last step's
         (drafted, accepted), None before its first; ``lengths``: the tokens each row of the KV
         cache holds (None: the least context the start-up model measured). The forward runs
         every row of the cache, so its cost is that of ``len(lengths)`` rows: finished rows stay
         in it, idle, until half of it has finished. ``remaining``: each row's tokens left before
-        its budget ends (None: rows are replaced as they end, as in a server, and every token counts alike)."""
-        self._contexts = [self.context(p) for p in (previous or [None] * B)]
+        its budget ends (None: rows are replaced as they end, as in a server, and every token
+        counts alike). ``pending``: the tokens each row's drafter has yet to read before it
+        drafts (None: none)."""
         run = len(lengths) if lengths else B
+        most = max(remaining) if remaining else None
+        if self._holding(B, run, most, previous):
+            self.chosen.append(0)
+            return 0
+        self._contexts = [self.context(p) for p in (previous or [None] * B)]
         self._context = (B, run, attended_context(lengths) if lengths else None)
-        rates = self.rates(B, self._contexts, self.alpha, self._context[2], run, remaining)
+        unread = sum(pending) if pending else 0
+        seconds = [self.predicted_seconds(B, k, self._context[2], run) for k in range(self.max_k + 1)]
+        rates = self._rates(B, self._contexts, self.alpha, seconds, remaining, unread)
         k = max(range(self.max_k + 1), key=rates.__getitem__)
-        optimistic = self.rates(B, ["pooled"] * B, self.optimistic_alpha, self._context[2], run, remaining)
-        if k < self.max_k and max(range(self.max_k + 1), key=optimistic.__getitem__) > k:
-            k += 1  # probe: the next position might pay
+        optimistic = rates
+        if k < self.max_k:
+            optimistic = self._rates(B, ["pooled"] * B, self.optimistic_alpha, seconds, remaining, unread)
+            if max(range(self.max_k + 1), key=optimistic.__getitem__) > k:
+                k += 1  # probe: the next position might pay
         # the other kind of step (plain or drafting), while it was measured in fewer than
         # window / 2 steps in this range and its rate is within one step's timing noise of the
         # chosen: measure it (a decision near break-even taken on one noisy sample would stand)
         rival = max(range(1, self.max_k + 1), key=rates.__getitem__) if k == 0 else 0
         if self.measured(rival > 0, run) < self.window // 2 and rates[rival] >= (1 - self.step_noise) * rates[k]:
             k = rival
+        # a plain step chosen by a margin of m % over every draft (optimistic ones too) holds for
+        # the next m steps (at most ``window``) of this batch: the Python of choose and observe
+        # runs cold after a forward (at batch 4 on the AMD EPYC 0.25 ms a step, 0.5 % of it, where
+        # run twice in a row it takes 0.05 ms), and while plain steps last a draft only grows
+        # dearer (the drafter's catch-up grows, and fewer tokens are left to gain on). A new
+        # batch (more tokens left), a row that ends or one whose last step drafted decides afresh.
+        margin = rates[0] / max(rates[1:] + optimistic[1:])
+        self._hold = (self.steps + 1 + min(int(100 * (margin - 1)), self.window), B, run, most) if k == 0 and margin > 1 else None
         self.chosen.append(k)
         return k
 
+    def _holding(self, B: int, run: int, most: int | None, previous) -> bool:
+        """Whether a plain step chosen by a wide margin still holds (:meth:`choose`): the same
+        batch (as many rows, none with more tokens left), within the steps held, every row's last
+        step plain."""
+        if self._hold is None or self.steps >= self._hold[0] or self._hold[1:3] != (B, run):
+            return False
+        held = self._hold[3]
+        same_batch = most == held if most is None or held is None else most <= held
+        return same_batch and all(p is None or p[0] == 0 for p in previous or ())
+
     def observe(self, B: int, k: int, accepted: list[int], draft_seconds: float | None = None,
-                step_seconds: float | None = None) -> None:
-        """After a step of B rows that drafted k: each row's accepted count, the drafting's
-        seconds (None: not representative, e.g. a catch-up after plain steps) and the rest of
-        the step's (the target's forward, the accept kernel, the bookkeeping)."""
+                step_seconds: float | None = None, catch_up: tuple[float, int] | None = None) -> None:
+        """After a step of B rows that drafted k: each row's accepted count, the seconds of
+        proposing the k positions, the rest of the step's (the target's forward, the accept
+        kernel, the bookkeeping) and the drafter's catch-up before it (seconds, tokens read)."""
+        if catch_up is not None and catch_up[1] > 0:
+            kept = self.catch_ups.setdefault(B, [])
+            kept.append((catch_up[1], catch_up[0]))
+            del kept[: -self.history]
+            self._lines.pop(B, None)
         if step_seconds is not None:
             run, context = self._context[1:] if self._context[0] == B else (B, None)
-            steps = self.step_ratios.setdefault(self._range(run), [])
-            steps.append((self.steps, k > 0, step_seconds / self.cost(run, k, context)))
-            del steps[: -self.history]
+            self._keep_step(self._range(run), k > 0, step_seconds / self.cost(run, k, context))
         self.steps += 1
         self._memo.clear()
         if k == 0:

@@ -497,13 +497,14 @@ class BatchedSpeculativeDecoder:
     """``BatchedSpeculativeDecoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``.
 
     ``policy`` (chain and block shapes): an object with ``choose(batch_size, previous, lengths,
-    remaining) -> k`` (0 = a plain step, the same step as plain decoding's; ``previous``: each row's
-    last step's (drafted, accepted), None before its first; ``lengths``: the tokens each row holds
-    in the KV cache; ``remaining``: each row's tokens left before ``max_new_tokens``) and ``observe(batch_size, k, accepted,
-    draft_seconds, step_seconds)``, asked at every step (``draft_seconds`` is None unless the
-    drafting advanced every row by exactly the last step's tokens: not after plain steps, nor at
-    the first step; ``step_seconds``: the rest of the step); without one every step drafts
-    ``shape.k``."""
+    remaining, pending) -> k`` (0 = a plain step, the same step as plain decoding's; ``previous``:
+    each row's last step's (drafted, accepted), None before its first; ``lengths``: the tokens each
+    row holds in the KV cache; ``remaining``: each row's tokens left before ``max_new_tokens``;
+    ``pending``: the tokens each row's drafter has yet to read, kept since its last draft) and
+    ``observe(batch_size, k, accepted, draft_seconds, step_seconds, catch_up)``, asked at every
+    step (``draft_seconds``: the proposing of k positions, None on a plain step; ``catch_up``: the
+    drafter's (seconds, tokens) reading what was pending, None where nothing was; ``step_seconds``:
+    the rest of the step); without one every step drafts ``shape.k``."""
 
     def __init__(self, target, proposer: Proposer, backend: str = "auto"):
         self.target, self.proposer, self.backend = target, proposer, backend
@@ -557,19 +558,19 @@ class BatchedSpeculativeDecoder:
         while batch.rows:
             step_start, drafted_before = clock(), draft.seconds
             step_shape = shape
+            unread = [sum(len(tokens) for tokens, _ in p) for p in pending]
             if policy is not None:
                 k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows], list(cache.lengths),
-                                  batch.remaining())
+                                  batch.remaining(), unread)
                 step_shape = type(shape)(k) if k > 0 else None
                 asked.append(k)
-            # what k positions cost: a step whose drafting advanced every row by one step's
-            # tokens, not by several after plain steps (a catch-up), nor by none (a batch's first
-            # step, whose drafter pass was the prefill's: at batch 4 on the AMD EPYC it measured
-            # 0.3 ms against 11-12 ms, and the policy then drafted whole batches)
-            representative = all(len(p) == 1 for p in pending)
-            drafts = None
+            drafts = caught_up = None
             if step_shape is not None:
                 draft(self._flush, proposers, pending)
+                # the catch-up apart from proposing: after a run of plain steps it reads every
+                # token since the last draft (at batch 4 on the AMD EPYC, 6 ms for 2 tokens a
+                # row, 13 ms for 16), and a batch's first step reads none (the prefill did)
+                caught_up = (draft.seconds - drafted_before, sum(unread)) if sum(unread) else None
                 drafts = draft(proposers.propose, step_shape)
             if drafts is None:
                 v = _plain_step(self.target, batch, cache, sampling, verify, self.proposer.layers)
@@ -583,8 +584,9 @@ class BatchedSpeculativeDecoder:
                 last_step[r] = (d, n)
             if policy is not None:
                 drafting = draft.seconds - drafted_before
-                policy.observe(len(batch.rows), asked[-1], v.accepted, drafting if representative else None,
-                               clock() - step_start - drafting)
+                proposing = drafting - caught_up[0] if caught_up else drafting
+                policy.observe(len(batch.rows), asked[-1], v.accepted, proposing if step_shape is not None else None,
+                               clock() - step_start - drafting, caught_up)
             rows_before = len(batch.rows)
             going = batch.emit(v.tokens)
             steps += 1

@@ -318,6 +318,54 @@ def test_adaptive_policy_prices_the_wait_for_a_batchs_last_row():
     assert policy.choose(4) == 1  # rows replaced as they end: 1.33 / 1.2 > 1.05
 
 
+def test_adaptive_policy_prices_the_drafters_catch_up():
+    """Before a draft the drafter reads the tokens kept since its last one: a line through the
+    catch-ups measured (0.04 s + 0.01 s a token here). With alpha 0.33 and a draft step at 1.2x a
+    plain one, a draft after one step's token pays (1.33 / 1.25 > 1.05); after 30 plain steps'
+    tokens it does not (1.33 / 1.54); with the row's 47 tokens left, that catch-up is paid once
+    over the 35 steps to come, and each later step's catch-up reads that step's tokens."""
+    policy = AdaptiveDraftLength(VerifyCost({(1, k, 64): 1.0 + 0.2 * k for k in range(2)}), max_k=1, confidence=0.0)
+    policy.observe(1, 1, [1] * 330 + [0] * 670, draft_seconds=0.0)  # alpha 0.33
+    for _ in range(4):  # both kinds measured: no cost probes
+        for k in (0, 1):
+            policy.observe(1, k, [0], step_seconds=1.0 + 0.2 * k)
+    assert policy.catch_up_seconds(1, 5) == 0.0  # none measured yet
+    for tokens in (1, 2, 41):
+        policy.observe(1, 1, [0], draft_seconds=0.0, catch_up=(0.04 + 0.01 * tokens, tokens))
+    assert policy.catch_up_seconds(1, 11) == pytest.approx(0.15) and policy.catch_up_seconds(4, 11) == pytest.approx(0.15)
+    assert policy.catch_up_seconds(1, 0) == 0.0
+    assert policy.choose(1, pending=[1]) == 1 and policy.choose(1, pending=[30]) == 0
+    assert policy.choose(1, remaining=[47], pending=[30]) == 1
+    e = 1 + policy.alpha()[0]
+    plain, draft = policy.rates(1, ["pooled"], policy.alpha, remaining=[47], pending=30)
+    assert draft == pytest.approx(47 / (47 / e * 1.2 + (47 / e - 1) * (0.04 + 0.01 * e) + 0.34))
+
+
+def test_adaptive_policy_holds_a_plain_step_chosen_by_a_wide_margin():
+    """A plain step that beats every draft by m % is taken for the next m steps of the same
+    batch without deciding again (at most ``window``); a row that ends, a new batch (more tokens
+    left) or a row whose last step drafted decides afresh."""
+    policy = AdaptiveDraftLength(VerifyCost({(4, k, 64): 1.0 + 0.6 * k for k in range(2)}), max_k=1, confidence=0.0)
+    policy.observe(4, 1, [1] * 330 + [0] * 670, draft_seconds=0.0)  # alpha 0.33
+    for _ in range(4):  # both kinds measured: no cost probes
+        for k in (0, 1):
+            policy.observe(4, k, [0] * 4, step_seconds=1.0 + 0.6 * k)
+    decided = []
+    rates = policy._rates
+    policy._rates = lambda *args: decided.append(policy.steps) or rates(*args)
+    assert policy.choose(4, remaining=[40] * 4) == 0
+    plain, draft = rates(4, ["pooled"] * 4, policy.alpha, [1.0, 1.6], [40] * 4, 0)
+    held = min(int(100 * (plain / draft - 1)), policy.window)
+    assert held == policy.window  # 1.6 a step for 1.33 tokens: a margin over 20 %
+    for left in range(39, 39 - held, -1):
+        policy.observe(4, 0, [0] * 4, step_seconds=1.0)
+        assert policy.choose(4, remaining=[left] * 4) == 0
+    assert set(decided) == {policy.steps - held}  # one decision (estimates and optimistic)
+    policy.choose(3, remaining=[39] * 3)  # a row ended
+    policy.choose(4, remaining=[48] * 4)  # a new batch
+    assert len(decided) == 6 and policy.chosen[-held - 2:] == [0] * (held + 2)
+
+
 def test_adaptive_policy_drafts_after_accepted_runs():
     """Acceptance comes in runs: rows that accepted their last draft accept the next, rows that
     rejected it do not. Pooled (alpha 0.5) a draft that costs 0.6 of a step does not pay; per
@@ -506,7 +554,7 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
     import draftlab.inference.decoder as decoder_module
 
     class Never:
-        def choose(self, B, previous, lengths, remaining):
+        def choose(self, B, previous, lengths, remaining, pending):
             return 0
 
         def observe(self, *args):
@@ -519,21 +567,29 @@ def test_plain_steps_of_the_speculative_decoder_are_plain_decoding(tiny_llama, p
     assert res.draft_time == 0.0 and res.num_steps == plain.num_steps
 
 
-def test_decoder_reports_drafting_seconds_only_for_one_steps_advance(tiny_llama, prompts):
-    """The drafting of a batch's first step advances nothing (the drafter read the prompts in the
-    prefill) and one after a plain step catches up on it: neither is what k positions cost."""
+def test_decoder_reports_the_drafters_catch_up_apart_from_proposing(tiny_llama, prompts):
+    """What each row's drafter has not read is passed to ``choose``: nothing at a batch's first
+    step (the drafter read the prompts in the prefill), a step's tokens after a drafting step,
+    two steps' after a plain one. A drafting step reports its proposing and, where there was
+    something to read, the catch-up's (seconds, tokens) apart; a plain step neither."""
     class Script:
-        ks, seen = [1, 1, 0, 1, 1], []
+        ks, pending, seen = [1, 1, 0, 1, 1], [], []
 
-        def choose(self, B, previous, lengths, remaining):
+        def choose(self, B, previous, lengths, remaining, pending):
+            self.pending.append(pending)
             return self.ks[len(self.seen)] if len(self.seen) < len(self.ks) else 0
 
-        def observe(self, B, k, accepted, draft_seconds, step_seconds):
-            self.seen.append(draft_seconds)
+        def observe(self, B, k, accepted, draft_seconds, step_seconds, catch_up):
+            self.seen.append((k, accepted, draft_seconds, catch_up))
 
     policy = Script()
     BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, N_NEW, Chain(3), policy=policy)
-    assert [s is None for s in policy.seen[:5]] == [True, False, False, True, False]  # a plain step: 0.0
+    (_, first, *_), (_, second, *_) = policy.seen[:2]
+    assert policy.pending[:4] == [[0] * len(prompts), [1 + n for n in first], [1 + n for n in second],
+                                  [2 + n for n in second]]
+    assert [(s[2] is None, s[3] is None) for s in policy.seen[:5]] == [(False, True), (False, False), (True, True),
+                                                                       (False, False), (False, False)]
+    assert [s[3][1] for s in policy.seen[1:5:2]] == [sum(policy.pending[1]), sum(policy.pending[3])]
 
 
 def test_adaptive_decoding_stays_lossless(tiny_llama, prompts, alone):
