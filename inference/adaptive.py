@@ -138,6 +138,11 @@ def attended_context(lengths: list[int]) -> float:
     return sum((hi - lo) * span for lo, hi, span in attention_groups(spans)) / len(spans) - 1
 
 
+def _nearest(measured: dict[int, object], B: int) -> int:
+    """The batch size measured nearest to B (the smaller on a tie)."""
+    return min(measured, key=lambda b: (abs(b - B), b))
+
+
 @functools.cache
 def _largest_normal(n: int) -> float:
     """The expected largest of n standard normals (Blom's approximation; 0 for one)."""
@@ -307,7 +312,7 @@ class AdaptiveDraftLength:
         tokens, 13.0 ms for 64)."""
         if tokens <= 0 or not self.catch_ups:
             return 0.0
-        b = min(self.catch_ups, key=lambda b: (abs(b - B), b))
+        b = _nearest(self.catch_ups, B)
         if b not in self._lines:
             xs, ys = zip(*self.catch_ups[b])
             slope = max(statistics.linear_regression(xs, ys).slope, 0.0) if len(set(xs)) > 1 else 0.0
@@ -320,7 +325,7 @@ class AdaptiveDraftLength:
         the nearest batch size measured (0 before any)."""
         if not self.drafting or k == 0:
             return 0.0
-        seconds, positions = self.drafting[min(self.drafting, key=lambda b: (abs(b - B), b))]
+        seconds, positions = self.drafting[_nearest(self.drafting, B)]
         return k * seconds / positions
 
     @staticmethod
@@ -378,11 +383,12 @@ class AdaptiveDraftLength:
         """:meth:`rates` from each k's predicted step seconds."""
         alphas = {c: alpha(c) for c in set(rows)}
         counts = collections.Counter(rows)
+        left = sum(remaining) if remaining else 0
         out = []
         for k, seconds in enumerate(step_seconds):
             step_tokens = sum(n * self.expected_tokens(k, alphas[c]) for c, n in counts.items())
             if remaining:
-                tokens = sum(remaining)
+                tokens = left
                 steps = self.batch_steps(k, [(alphas[c], n) for c, n in zip(rows, remaining)])
                 seconds *= steps
                 if k:

@@ -570,7 +570,7 @@ class BatchedSpeculativeDecoder:
                 # the catch-up apart from proposing: after a run of plain steps it reads every
                 # token since the last draft (at batch 4 on the AMD EPYC, 6 ms for 2 tokens a
                 # row, 13 ms for 16), and a batch's first step reads none (the prefill did)
-                caught_up = (draft.seconds - drafted_before, sum(unread)) if sum(unread) else None
+                caught_up = (draft.seconds - drafted_before, sum(unread)) if any(unread) else None
                 drafts = draft(proposers.propose, step_shape)
             if drafts is None:
                 v = _plain_step(self.target, batch, cache, sampling, verify, self.proposer.layers)
