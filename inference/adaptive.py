@@ -36,7 +36,7 @@ rows whose draft was all accepted had an acceptance of 0.39 after 184 rows, boun
 for a probe whenever two of the four rows had just accepted their draft. Costs are
 explored too: while one kind of step (plain or drafting) has been measured fewer than 4 times in
 a range and its predicted rate is within one step's timing noise (10 %) of the chosen kind's,
-the policy takes it. Plain decoding keeps a tie: a draft must be predicted to gain more than
+the policy takes it (a draft only where the drafter has at most one step's tokens to read). Plain decoding keeps a tie: a draft must be predicted to gain more than
 ``min_gain`` (5 %), the error of the predicted step seconds seen per batch of prompts. A plain
 step that wins by m % is taken for the next m steps of its batch (at most ``window``) without
 deciding again: deciding costs more than it changes there.
@@ -188,11 +188,13 @@ class AdaptiveDraftLength:
         # batch-size range -> its steps' (step number, drafted?, measured seconds (drafting
         # apart) over the start-up model's), the last ``history``
         self.step_ratios: dict[int, list[tuple[int, bool, float]]] = {}
-        # kept up as steps come and go, not rescanned: per range, the (step number, ratio of the
-        # drafting to the plain one) of consecutive steps of the two kinds among those kept, the
-        # drafting extra they give, and how many steps of each kind are kept (rescanning the
+        # kept up as steps come, not rescanned: per range, the last ``history`` (step number,
+        # ratio of the drafting to the plain one) of consecutive steps of the two kinds, the
+        # drafting extra they give, and how many steps of each kind were measured (rescanning the
         # history at every step was a fifth of choose's and observe's work at batch 4 on the
-        # AMD EPYC: 0.082 ms a step, 0.065 without, timed apart from the target)
+        # AMD EPYC: 0.082 ms a step, 0.065 without, timed apart from the target). Neither is
+        # forgotten with the steps' history: at batch 4 on the AMD EPYC the policy explored
+        # drafting's cost again (3 drafting steps, each a loss) every 256 plain steps.
         self._pairs: dict[int, list[tuple[int, float]]] = {}
         self._extra: dict[int, float] = {}
         self._kinds: dict[int, list[int]] = {}
@@ -209,7 +211,7 @@ class AdaptiveDraftLength:
         self._hold: tuple[int, int, int, int | None] | None = None
 
     def measured(self, drafting: bool, B: int) -> int:
-        """Steps of a kind measured in B's range (within the history kept)."""
+        """Steps of a kind measured in B's range."""
         return self._summary(B)[3 if drafting else 2]
 
     def _summary(self, B: int) -> tuple[float, float, int, int]:
@@ -232,11 +234,8 @@ class AdaptiveDraftLength:
             pairs.append((self.steps, (ratio / steps[-1][2]) ** (1 if drafted else -1)))
         steps.append((self.steps, drafted, ratio))
         kinds[drafted] += 1
-        while len(steps) > self.history:
-            kinds[steps.pop(0)[1]] -= 1
-        while pairs and pairs[0][0] - 1 < steps[0][0]:  # a pair whose first step left the history
-            pairs.pop(0)
-            paired = True
+        del steps[: -self.history]
+        del pairs[: -self.history]
         if paired:
             # the model's 1.0 counts as window / 2 pairs: one pair is two noisy steps (at batch 4
             # on the AMD EPYC a single pair read 0.91, and with no plain step after it the policy
@@ -429,9 +428,14 @@ class AdaptiveDraftLength:
                 k += 1  # probe: the next position might pay
         # the other kind of step (plain or drafting), while it was measured in fewer than
         # window / 2 steps in this range and its rate is within one step's timing noise of the
-        # chosen: measure it (a decision near break-even taken on one noisy sample would stand)
+        # chosen: measure it (a decision near break-even taken on one noisy sample would stand).
+        # A draft only where no row's drafter has more than one step's tokens to read: at batch 4
+        # on the AMD EPYC such drafts came after 3-10 plain steps, read up to 38 tokens first,
+        # and, one drafting step among plain ones, shortened no batch (it waits for its slowest
+        # row); a batch's first step reads none.
         rival = max(range(1, self.max_k + 1), key=rates.__getitem__) if k == 0 else 0
-        if self.measured(rival > 0, run) < self.window // 2 and rates[rival] >= (1 - self.step_noise) * rates[k]:
+        fresh = rival == 0 or not pending or max(pending) <= self.max_k + 1
+        if fresh and self.measured(rival > 0, run) < self.window // 2 and rates[rival] >= (1 - self.step_noise) * rates[k]:
             k = rival
         # a plain step chosen by a margin of m % over every draft (optimistic ones too) holds for
         # the next m steps (at most ``window``) of this batch: the Python of choose and observe

@@ -88,14 +88,21 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
 
 def compare_batches(target, speculations: dict[str, Speculation], prompts, batch_sizes, max_new_tokens: int = 128,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                    eos_token_id=None, backend: str = "auto", progress=None, min_groups: int = 1) -> dict[str, dict]:
+                    eos_token_id=None, backend: str = "auto", progress=None, min_groups: int = 1,
+                    adaptive_groups: int = 0) -> dict[str, dict]:
     """A ``batches`` section per speculative configuration (label -> section), all against one
     plain baseline: each group of B prompts is decoded by plain decoding and by every
     configuration in lockstep (one step of each in turn), in the orders of :func:`crossover_orders`
     from group to group, so the configurations are compared on the same groups under the same
     machine state, step by step. ``min_groups``: decode the
     prompts again (same groups) until each batch size has timed at least that many groups:
-    large batch sizes have few groups, and one timing is one sample of the machine's noise."""
+    large batch sizes have few groups, and one timing is one sample of the machine's noise.
+    ``adaptive_groups``: then, at each batch size, this many more groups (the prompts' groups in
+    turn) decoded by plain decoding and the adaptive configurations alone, in lockstep, and
+    pooled into those configurations' entries after the groups every configuration decoded.
+    Why: where the policy decodes about as plain decoding does, its verdict against it rests on
+    the noise of a forward's time (one forward repeated at batch 16 on the AMD EPYC varied by
+    9-11 % from one run to the next), so it needs more steps than the other configurations."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
     check_batch_sizes(list(batch_sizes), "batch sizes")
@@ -121,26 +128,32 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
     policies = {label: AdaptiveDraftLength(cost, s.depth) if s.adaptive else None for label, s in speculations.items()}
     entries: dict[str, list[_Entry]] = {label: [] for label in speculations}
     plain_outputs: dict[int, list[list[int]]] = {}
+    every = [None, *speculations]  # None: plain decoding
+    adaptive_only = [None, *(label for label, s in speculations.items() if s.adaptive)]
     for B in batch_sizes:
         run = {label: _Entry(B) for label in speculations}
         plain_outputs[B] = []
         starts = list(range(0, len(ids), B))
-        starts *= -(-min_groups // len(starts))  # ceil: whole passes over the prompts
-        labels = [None, *speculations]  # None: plain decoding
-        orders = crossover_orders(len(labels))
-        for g, start in enumerate(starts):
+        grid = starts * -(-min_groups // len(starts))  # ceil: whole passes over the prompts
+        more = [starts[g % len(starts)] for g in range(adaptive_groups)] if len(adaptive_only) > 1 else []
+        schedule = [(g, start, every) for g, start in enumerate(grid)] + [(g, start, adaptive_only) for g, start in enumerate(more)]
+        rows, done_rows = sum(len(ids[start : start + B]) for _, start, _ in schedule), 0
+        for g, start, labels in schedule:
             group = ids[start : start + B]
+            orders = crossover_orders(len(labels))
             order = [labels[i] for i in orders[g % len(orders)]]
             done = dict(zip(order, run_lockstep([
                 plain_batch_steps(target, group, seed=seed + start, **opts) if label is None else
                 decoders[label].steps(group, shape=speculations[label].shape, seed=seed + start, policy=policies[label], **opts)
                 for label in order
             ])))
-            plain_outputs[B] += [r.tokens for r in done[None].rows]
-            for label in speculations:
+            if labels is every:
+                plain_outputs[B] += [r.tokens for r in done[None].rows]
+            for label in labels[1:]:
                 run[label].add(done[label], done[None], greedy)
+            done_rows += len(group)
             if progress is not None:
-                progress(B, min(g * B + B, len(starts) * B), len(starts) * B)
+                progress(B, done_rows, rows)
         for label, e in run.items():
             if policies[label] is not None:
                 e.alpha_estimate = policies[label].alpha()
@@ -154,7 +167,7 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
             if B > 1:  # repeated passes decode the prompts in the same order
                 same = sum(a == b for a, b in zip(alone * (len(outputs) // len(ids)), outputs))
                 for label in speculations:
-                    entries[label][batch_sizes.index(B)].alone_same = same
+                    entries[label][batch_sizes.index(B)].alone_same = (same, len(outputs))
     return {
         label: {"adaptive": s.adaptive, "adaptive_max_k": s.depth if s.adaptive else None,
                 "verify_cost_s": cost.to_dict() if s.adaptive else None,
@@ -182,12 +195,11 @@ class _Entry:
         self.B = B
         self.stats = AcceptanceStats()
         self.split = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
-        self.base_outputs: list[list[int]] = []
         self.matched = self.compared = 0
         self.asked: list[int] = []
         self.alpha_estimate: list[float] | None = None  # the adaptive policy's, after this batch size
         self.alpha_by_context: dict | None = None  # likewise, per context of the row's last draft
-        self.alone_same: int | None = None  # plain batched rows equal to the prompt decoded alone
+        self.alone_same: tuple[int, int] | None = None  # plain batched rows equal to the prompt decoded alone, of rows
         self.groups: list[tuple[int, float, int, float]] = []  # per group: tokens, seconds; plain's
 
     def add(self, spec, base, greedy: bool) -> None:
@@ -201,7 +213,6 @@ class _Entry:
                        ("verify_s", spec.verify_time), ("other_s", spec.other_time)):
             self.split[key] += t
         self.asked += spec.draft_lengths
-        self.base_outputs += [r.tokens for r in base.rows]
         if greedy:
             self.compared += len(spec.rows)
             self.matched += sum(s.tokens == b.tokens for s, b in zip(spec.rows, base.rows))
@@ -224,7 +235,7 @@ class _Entry:
             "greedy_match": f"{self.matched}/{self.compared}" if self.compared else None,
         }
         if self.alone_same is not None:
-            out["batched_vs_alone"] = f"{self.alone_same}/{len(self.base_outputs)}"
+            out["batched_vs_alone"] = "{}/{}".format(*self.alone_same)
         if self.alpha_estimate is not None:
             counts = {k: self.asked.count(k) for k in sorted(set(self.asked))}
             out["draft_lengths"] = {str(k): n for k, n in counts.items()}

@@ -524,6 +524,24 @@ def test_adaptive_policy_measures_the_other_kind_of_step_near_break_even():
     assert AdaptiveDraftLength(_cost(0.2), max_k=1, confidence=0.0).choose(1, [(1, 0)]) == 1
 
 
+def test_adaptive_policy_measures_a_draft_where_the_drafter_has_little_to_read():
+    """Drafting's cost is measured (near break-even) only where no row's drafter has more than
+    one step's tokens to read (max_k + 1), and measured once: not again after its steps leave
+    the history."""
+    def near_break_even(**options):
+        policy = AdaptiveDraftLength(_cost(0.45), max_k=1, confidence=0.0, window=8, **options)
+        policy.observe(1, 1, [1] * 500 + [0] * 500, draft_seconds=0.0)  # alpha 0.5: 1.5 / 1.45 a plain step
+        return policy
+
+    assert near_break_even().choose(2, pending=[3, 0]) == 0
+    assert near_break_even().choose(2, pending=[2, 2]) == near_break_even().choose(2, pending=[0, 0]) == 1
+    policy = near_break_even(history=16)
+    for k in [1] * 4 + [0] * 32:
+        policy.observe(1, k, [0] * k, draft_seconds=0.0 if k else None, step_seconds=policy.cost(1, k))
+    assert len(policy.step_ratios[1]) == 16 and policy.measured(True, 1) == 4 and policy.measured(False, 1) == 32
+    assert policy.choose(1, pending=[0]) == 0
+
+
 def test_adaptive_policy_drafts_no_further_than_the_drafter_was_trained(tiny_llama, prompts, alone, tmp_path):
     """An EAGLE-3 checkpoint trained with ttt_steps = 2 drafts at most 2 under the adaptive policy
     (a third position reads drafter outputs no step trained it to read); fixed shapes are as asked.
@@ -624,7 +642,9 @@ def test_evaluate_batches_reports_each_batch_size(tiny_llama, prompts, alone):
 
 def test_compare_batches_measures_every_configuration_against_one_plain_decoding(tiny_llama, prompts, alone, monkeypatch):
     """Each group is decoded once by plain decoding and once by each configuration, in lockstep in
-    the crossover orders group by group; every configuration's speedup is over that one plain decoding."""
+    the crossover orders group by group; every configuration's speedup is over that one plain
+    decoding. ``adaptive_groups`` more groups then go to plain decoding and the adaptive
+    configuration alone, pooled into its entry."""
     import draftlab.inference.batch_eval as batch_eval
 
     calls = []
@@ -636,18 +656,22 @@ def test_compare_batches_measures_every_configuration_against_one_plain_decoding
     ps = [EvalPrompt("c", p, str(i)) for i, p in enumerate(prompts)]
     specs = {"ngram": Speculation(NgramProposer(), Chain(2)),
              "oracle adaptive": Speculation(_oracle(tiny_llama, prompts, alone), Chain(3), adaptive=True)}
-    res = compare_batches(tiny_llama, specs, ps, [1, 3], max_new_tokens=N_NEW, min_groups=4)
-    timed = calls[-3 * (6 + 4):]  # batch 1: the 3 groups twice, batch 3: the one group 4 times; 3 decodings each
+    res = compare_batches(tiny_llama, specs, ps, [1, 3], max_new_tokens=N_NEW, min_groups=4, adaptive_groups=2)
+    # batch 1: the 3 groups twice, batch 3: the one group 4 times, 3 decodings each; then 2 groups of 2 at each
+    timed = calls[-(3 * (6 + 4) + 2 * 2 * 2):]
     names = ["plain", "ngram", "row-oracle"]
     assert [timed[3 * g : 3 * g + 3] for g in range(6)] == [[names[i] for i in o] for o in crossover_orders(3)]
     assert timed[3 * 3 : 3 * 4] == ["row-oracle", "ngram", "plain"]  # not a rotation: plain also runs after ngram
+    assert timed[18:22] == ["plain", "row-oracle", "row-oracle", "plain"] == timed[-4:]
     for b, n_groups in ((0, 6), (1, 4)):
         ngram, oracle = res["ngram"]["entries"][b], res["oracle adaptive"]["entries"][b]
-        assert ngram["baseline_tokens_per_s"] == oracle["baseline_tokens_per_s"]
-        assert [g[2:] for g in ngram["groups"]] == [g[2:] for g in oracle["groups"]] and len(oracle["groups"]) == n_groups
-        for e in (ngram, oracle):
+        assert len(ngram["groups"]) == n_groups and len(oracle["groups"]) == n_groups + 2
+        assert [g[2:] for g in ngram["groups"]] == [g[2:] for g in oracle["groups"][:n_groups]]
+        for e, rows in ((ngram, n_groups * (b * 2 + 1)), (oracle, (n_groups + 2) * (b * 2 + 1))):
             lo, hi = e["speedup_interval"]
-            assert lo <= e["speedup"] <= hi and e["greedy_match"] == ("6/6", "12/12")[b]
+            assert lo <= e["speedup"] <= hi and e["greedy_match"] == f"{rows}/{rows}"
+            assert e["new_tokens"] == rows * N_NEW
+    assert res["ngram"]["entries"][1]["batched_vs_alone"] == res["oracle adaptive"]["entries"][1]["batched_vs_alone"] == "12/12"
     assert res["oracle adaptive"]["verify_cost_s"] and res["ngram"]["verify_cost_s"] is None
     assert "alpha_by_context" in res["oracle adaptive"]["entries"][0]
 
