@@ -166,10 +166,15 @@ def tables(results: dict, batch_sizes: list[int], adaptive_groups: int = 0) -> s
             lo, hi = speedup_interval(both)
             margins.append(f"B={b}: {a['speedup']:.2f}× vs best fixed {best.split()[-1]} {f['speedup']:.2f}× "
                            f"(adaptive / best fixed {tokens / seconds / (fixed_tokens / fixed_seconds):.3f}, 90 % interval {lo:.3f}-{hi:.3f})")
-        slower = [b for b in batch_sizes if entry[adaptive][b]["speedup"] < 1.0]
-        summary = ("\nAdaptive against plain decoding: " + ("at or above 1.00× at every batch size" if not slower
-                   else f"below 1.00× at B = {', '.join(map(str, slower))}" + _ties(entry[adaptive], slower))
-                   + ". Against the best fixed k, on the same groups:\n\n"
+        by_b = entry[adaptive]
+        slower = [b for b in batch_sizes if by_b[b]["speedup"] < 1.0]
+        ties = [b for b in slower if _interval(by_b[b])[1] >= 1.0]
+        verdict = ("at or above 1.000 at every batch size" if not slower else
+                   f"below 1.000 at B = {', '.join(map(str, slower))}"
+                   + (f" (the 90 % interval holds 1.000 at B = {', '.join(map(str, ties))})" if ties else ""))
+        summary = ("\nAdaptive against plain decoding, to 3 decimals (90 % interval): "
+                   + "; ".join(_verdict(b, by_b[b]) for b in batch_sizes) + f": {verdict}."
+                   + " Against the best fixed k, on the same groups:\n\n"
                    + "\n".join(f"- {m}" for m in margins) + "\n")
     cycle = len(crossover_orders(len(results) + 1))
     note = ("\nEvery configuration decoded the same groups of prompts, each group by plain decoding and by every "
@@ -182,17 +187,13 @@ def tables(results: dict, batch_sizes: list[int], adaptive_groups: int = 0) -> s
     return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + note + summary
 
 
-def _ties(by_b: dict, slower: list[int]) -> str:
-    """Which of the batch sizes below 1.00× are ties on this run: a 90 % interval that holds 1.00,
-    and whether the policy drafted there at all (if not, it ran plain decoding's steps, and its
-    ratio to plain decoding is the machine's run-to-run noise)."""
-    notes = []
-    for b in slower:
-        lo, hi = _interval(by_b[b])
-        if hi >= 1.0:
-            plain_only = {int(k) for k, n in (by_b[b].get("draft_lengths") or {}).items() if n} == {0}
-            notes.append(f"B = {b}: 90 % interval {lo:.2f}-{hi:.2f} holds 1.00" + (", no drafting step" if plain_only else ""))
-    return f" ({'; '.join(notes)})" if notes else ""
+def _verdict(b: int, e: dict) -> str:
+    """One batch size's speedup to 3 decimals with its interval, and whether the policy drafted
+    there at all (if not, it ran plain decoding's steps, and what separates the two is the
+    decoder's own work and the machine's noise)."""
+    lo, hi = _interval(e)
+    plain_only = {int(k) for k, n in (e.get("draft_lengths") or {}).items() if n} == {0}
+    return f"B={b} {e['speedup']:.3f} ({lo:.3f}-{hi:.3f}{', no drafting step' if plain_only else ''})"
 
 
 def _interval(e: dict) -> tuple[float, float]:

@@ -343,7 +343,7 @@ def test_adaptive_policy_prices_the_drafters_catch_up():
 
 def test_adaptive_policy_holds_a_plain_step_chosen_by_a_wide_margin():
     """A plain step that beats every draft by m % is taken for the next m steps of the same
-    batch without deciding again (at most ``window``); a row that ends, a new batch (more tokens
+    batch without deciding again (at most ``memory``); a row that ends, a new batch (more tokens
     left) or a row whose last step drafted decides afresh."""
     policy = AdaptiveDraftLength(VerifyCost({(4, k, 64): 1.0 + 0.6 * k for k in range(2)}), max_k=1, confidence=0.0)
     policy.observe(4, 1, [1] * 330 + [0] * 670, draft_seconds=0.0)  # alpha 0.33
@@ -355,8 +355,8 @@ def test_adaptive_policy_holds_a_plain_step_chosen_by_a_wide_margin():
     policy._rates = lambda *args: decided.append(policy.steps) or rates(*args)
     assert policy.choose(4, remaining=[40] * 4) == 0
     plain, draft = rates(4, ["pooled"] * 4, policy.alpha, [1.0, 1.6], [40] * 4, 0)
-    held = min(int(100 * (plain / draft - 1)), policy.window)
-    assert held == policy.window  # 1.6 a step for 1.33 tokens: a margin over 20 %
+    held = min(int(100 * (plain / draft - 1)), policy.memory)
+    assert held == policy.memory  # 1.6 a step for 1.33 tokens, waiting for the last of 4 rows: a margin of 35 %
     for left in range(39, 39 - held, -1):
         policy.observe(4, 0, [0] * 4, step_seconds=1.0)
         assert policy.choose(4, remaining=[left] * 4) == 0

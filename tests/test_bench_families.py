@@ -58,8 +58,13 @@ def test_batch_tables_summarise_adaptive_with_paired_intervals():
                                                     dict(entry(4, 0.96, 60.0), draft_lengths={"0": 30})]}}
     text = batch_bench.tables(results, [1, 4])
     assert "| eagle3 adaptive k<=2 | 1.16× (1.11-1.21) | 0.96× (0.91-1.01) |" in text
-    assert "below 1.00× at B = 4" in text
-    # a tie is told apart from a loss: the interval holds 1.00 and the policy never drafted there
-    assert "below 1.00× at B = 4 (B = 4: 90 % interval 0.91-1.01 holds 1.00, no drafting step)." in text
+    # to 3 decimals; a tie is told apart from a loss: the interval holds 1.000 and the policy never drafted there
+    assert ("Adaptive against plain decoding, to 3 decimals (90 % interval): B=1 1.161 (1.111-1.211); "
+            "B=4 0.960 (0.910-1.010, no drafting step): below 1.000 at B = 4 (the 90 % interval holds 1.000 at B = 4).") in text
     assert "B=1: 1.16× vs best fixed k=2 1.15× (adaptive / best fixed 1.010, 90 % interval 1.010-1.010)" in text
     assert "B=4: 0.96× vs best fixed k=1 0.80× (adaptive / best fixed 1.200, 90 % interval 1.200-1.200)" in text
+    # more groups of the adaptive policy alone: its margin over fixed k is paired on the groups both decoded
+    pooled = results["eagle3 adaptive k<=2"]["entries"][1]
+    pooled["groups"] += [[10, 10 / 60.0, 10, 10 / 60.0]] * 6
+    pooled["speedup"] = 8 / (2 / 0.96 + 6)  # over all 8 groups
+    assert "(adaptive / best fixed 1.200, 90 % interval 1.200-1.200)" in batch_bench.tables(results, [1, 4], 6)
