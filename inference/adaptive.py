@@ -36,8 +36,9 @@ rows whose draft was all accepted had an acceptance of 0.39 after 184 rows, boun
 for a probe whenever two of the four rows had just accepted their draft. Costs are
 explored too: while one kind of step (plain or drafting) has been measured fewer than 4 times in
 a range and its predicted rate is within one step's timing noise (10 %) of the chosen kind's,
-the policy takes it (a draft only where the drafter has at most one step's tokens to read). Plain decoding keeps a tie: a draft must be predicted to gain more than
-``min_gain`` (5 %), the error of the predicted step seconds seen per batch of prompts. A plain
+the policy takes it (a draft only where the drafter has at most one step's tokens to read).
+Plain decoding keeps a tie: a draft must be predicted to gain more than ``min_gain`` (5 %),
+the error of the predicted step seconds seen per batch of prompts. A plain
 step that wins by m % is taken for the next m steps of its batch (at most ``memory``) without
 deciding again: deciding costs more than it changes there.
 
@@ -441,8 +442,8 @@ class AdaptiveDraftLength:
         # the next m steps (at most ``memory``) of this batch: the Python of choose and observe
         # runs cold after a forward (at batch 4 on the AMD EPYC 0.25 ms a step, 0.5 % of it; one
         # choose took 0.21 ms after a matmul, 0.055 ms run again at once; at batch 8, held at
-        # most 8 steps, choose still took 0.048 ms a step, half the policy's time), and while plain steps
-        # last a draft only grows dearer (the drafter's catch-up grows, and fewer tokens are left
+        # most 8 steps, choose still took 0.048 ms a step, half the policy's time), and while
+        # plain steps last a draft only grows dearer (the drafter's catch-up grows, and fewer tokens are left
         # to gain on). A new batch (more tokens left), a row that ends or one whose last step
         # drafted decides afresh.
         margin = rates[0] / max(rates[1:] + optimistic[1:])

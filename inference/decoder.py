@@ -460,9 +460,9 @@ class _Verified:
     depth: list[int]  # longest acceptable run offered
     # the forward's hidden states ({layer: [cache rows, inputs, H]}), each row's cache row and the
     # positions of its kept inputs there: sliced per row only when its drafter reads them
-    # (:meth:`row_hidden`), since a plain step's drafter may never (slicing 8 rows x 3 layers at
-    # every step was 29 us warm, a fifth of the speculative decoder's extra over plain decoding's
-    # step, 0.2 ms at batch 8 on the AMD EPYC)
+    # (:meth:`row_hidden`), since after a plain step it may never (at batch 8 on the AMD EPYC the
+    # speculative decoder's plain step spent 0.21 ms more than plain decoding's outside the
+    # forward; 0.05-0.10 ms with the slicing deferred and the unread tokens counted as they come)
     hidden: dict[int, torch.Tensor]
     slots: list[int]
     kept: list  # slices or index tensors
