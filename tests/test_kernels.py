@@ -1,4 +1,5 @@
-"""Verify kernels: hand-checked references, Triton (interpreter) == reference, losslessness.
+"""Verify kernels: hand-checked references, Triton (interpreter, and CUDA where there is one) ==
+reference, losslessness.
 
 Running Triton on CPU needs its interpreter, and TRITON_INTERPRET=1 only takes effect if it is
 set before ``triton`` is first imported (Triton jits its own ``tl.*`` library at import). Inside
@@ -8,7 +9,9 @@ variable globally would leak into every other test, so the Triton-vs-reference c
 ``pytest`` on this file with TRITON_INTERPRET=1 and DRAFTLAB_KERNELS_INTERP=1 in its environment,
 and only there are the ``interp_*`` functions exposed as tests. Its failure output is the child's
 pytest report. ``interp_*`` also asserts the kernels really run interpreted (triton_verify's
-INTERPRETED), so a misconfigured child fails instead of skipping.
+INTERPRETED), so a misconfigured child fails instead of skipping. On a machine with CUDA,
+``test_triton_kernels_on_cuda`` runs the same ``interp_*`` checks compiled for the GPU
+(DRAFTLAB_KERNELS_CUDA=1, no interpreter): the reference on CPU, the kernels on CUDA copies.
 """
 
 from __future__ import annotations
@@ -29,15 +32,20 @@ from draftlab.errors import DraftlabError
 from draftlab.kernels import reference
 
 _CHILD = os.environ.get("DRAFTLAB_KERNELS_INTERP") == "1"
+_CUDA = os.environ.get("DRAFTLAB_KERNELS_CUDA") == "1"  # the child runs the kernels on the GPU
+_KERNEL_DEVICE = "cuda" if _CUDA else "cpu"
 
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """Triton kernels in interpreter mode, with a 16-wide vocab block so V=50 spans 4 blocks
-    (the last one partial)."""
+    """Triton kernels in interpreter mode (compiled for the GPU in the CUDA child), with a
+    16-wide vocab block so V=50 spans 4 blocks (the last one partial)."""
     from draftlab.kernels import triton_verify
 
-    assert triton_verify.INTERPRETED, "TRITON_INTERPRET=1 was not in effect at triton import"
+    if _CUDA:
+        assert torch.cuda.is_available() and not triton_verify.INTERPRETED, "the CUDA child runs interpreted"
+    else:
+        assert triton_verify.INTERPRETED, "TRITON_INTERPRET=1 was not in effect at triton import"
     monkeypatch.setattr(triton_verify, "MAX_BLOCK_V", 16)
     return triton_verify
 
@@ -47,10 +55,13 @@ def _torch(fn, *args):
 
 
 def _both(fn, *args):
-    """Run fn on the torch and the Triton backends; assert identical outputs; return them."""
+    """Run fn on the torch backend (CPU) and the Triton one (on the kernels' device); assert
+    identical outputs; return them."""
     ref = fn(*args, backend="torch")
-    tri = fn(*args, backend="triton")
+    tri = fn(*(a.to(_KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args), backend="triton")
     for r, t in zip(ref, tri):
+        assert t.device.type == _KERNEL_DEVICE
+        t = t.cpu()
         assert r.dtype == t.dtype == torch.long
         assert torch.equal(r, t), f"torch:\n{r}\ntriton:\n{t}"
     return ref
@@ -608,19 +619,20 @@ def test_bad_inputs_raise(call, match):
 
 
 # ---------------------------------------------------------------------------------------------
-# the interpreter run (keep last: it exposes every interp_* defined above)
+# the child runs, interpreted and on CUDA (keep last: it exposes every interp_* defined above)
 
-if _CHILD:  # expose the interpreter checks as tests only inside the TRITON_INTERPRET=1 child
+if _CHILD:  # expose the Triton checks as tests only inside a child run
     for _name, _fn in list(globals().items()):
         if _name.startswith("interp_") and callable(_fn):
             globals()["test_" + _name] = _fn
 
 
-@pytest.mark.skipif(_CHILD, reason="this is the parent of the interpreter run")
-def test_triton_kernels_under_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", DRAFTLAB_KERNELS_INTERP="1")
+def _run_child(interpreted: bool) -> None:
+    """Run this file's ``interp_*`` checks in a child pytest, under Triton's interpreter or on
+    CUDA; assert they all ran and passed (the child's report is the failure message)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update({"DRAFTLAB_KERNELS_INTERP": "1", "TRITON_INTERPRET": "1"} if interpreted else
+               {"DRAFTLAB_KERNELS_INTERP": "1", "DRAFTLAB_KERNELS_CUDA": "1"})
     res = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-k", "test_interp_", "-p", "no:cacheprovider",
          "--noconftest"],
@@ -633,3 +645,18 @@ def test_triton_kernels_under_interpreter():
     match = re.search(r"(\d+) passed", summary)
     assert match and int(match.group(1)) >= expected, report
     assert not re.search(r"failed|error|skipped", summary), report
+
+
+@pytest.mark.skipif(_CHILD, reason="this is the parent of the interpreter run")
+def test_triton_kernels_under_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    _run_child(interpreted=True)
+
+
+@pytest.mark.skipif(_CHILD, reason="this is the parent of the CUDA run")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_kernels_on_cuda():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    _run_child(interpreted=False)
