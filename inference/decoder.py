@@ -515,10 +515,13 @@ class BatchedSpeculativeDecoder:
     each row's last step's (drafted, accepted), None before its first; ``lengths``: the tokens each
     row holds in the KV cache; ``remaining``: each row's tokens left before ``max_new_tokens``;
     ``pending``: the tokens each row's drafter has yet to read, kept since its last draft) and
-    ``observe(batch_size, k, accepted, draft_seconds, step_seconds, catch_up)``, asked at every
-    step (``draft_seconds``: the proposing of k positions, None on a plain step; ``catch_up``: the
+    ``observe(batch_size, k, accepted, draft_seconds, step_seconds, catch_up)``, after every step
+    it chose (``draft_seconds``: the proposing of k positions, None on a plain step; ``catch_up``: the
     drafter's (seconds, tokens) reading what was pending, None where nothing was; ``step_seconds``:
-    the rest of the step); without one every step drafts ``shape.k``."""
+    the rest of the step); and, optionally, ``held() -> n``: after a choice of 0, the plain steps
+    it decided at once, that one included, of which the decoder takes the other n - 1 without
+    asking or reporting them, unless a row ends first. Without a policy every step drafts
+    ``shape.k``."""
 
     def __init__(self, target, proposer: Proposer, backend: str = "auto"):
         self.target, self.proposer, self.backend = target, proposer, backend
@@ -571,13 +574,21 @@ class BatchedSpeculativeDecoder:
         unread = [0] * len(going)
         steps, asked = 0, []
         last_step: dict[int, tuple[int, int]] = {}  # row -> its last step's (drafted, accepted)
+        held = 0  # plain steps the policy decided at once, still to take
+        holds = policy is not None and hasattr(policy, "held")
         while batch.rows:
             step_start, drafted_before = clock(), draft.seconds
             step_shape = shape
-            if policy is not None:
+            asking = policy is not None and not held
+            if held:
+                held -= 1
+                step_shape = None
+                asked.append(0)
+            elif policy is not None:
                 k = policy.choose(len(batch.rows), [last_step.get(r) for r in batch.rows], list(cache.lengths),
                                   batch.remaining(), unread)
                 step_shape = type(shape)(k) if k > 0 else None
+                held = policy.held() - 1 if holds and k == 0 else 0
                 asked.append(k)
             drafts = caught_up = None
             if step_shape is not None:
@@ -598,7 +609,7 @@ class BatchedSpeculativeDecoder:
                 per_row["num_drafted"][r].append(d)
                 per_row["draft_depths"][r].append(depth)
                 last_step[r] = (d, n)
-            if policy is not None:
+            if asking:
                 drafting = draft.seconds - drafted_before
                 proposing = drafting - caught_up[0] if caught_up else drafting
                 policy.observe(len(batch.rows), asked[-1], v.accepted, proposing if step_shape is not None else None,
@@ -609,6 +620,7 @@ class BatchedSpeculativeDecoder:
             if len(going) < rows_before:
                 proposers.select(going)
                 batch.compact(cache)
+                held = 0
             for p in going:
                 pending[p].append((v.tokens[p], v, p))
             pending = [pending[p] for p in going]

@@ -342,28 +342,56 @@ def test_adaptive_policy_prices_the_drafters_catch_up():
 
 
 def test_adaptive_policy_holds_a_plain_step_chosen_by_a_wide_margin():
-    """A plain step that beats every draft by m % is taken for the next m steps of the same
-    batch without deciding again (at most ``memory``); a row that ends, a new batch (more tokens
-    left) or a row whose last step drafted decides afresh."""
+    """A plain step that beats every draft by m % stands for the next m steps too (at most
+    ``memory``): ``held()`` says how many steps the choice covers; a draft, or a plain step
+    won narrowly, covers its own step only."""
     policy = AdaptiveDraftLength(VerifyCost({(4, k, 64): 1.0 + 0.6 * k for k in range(2)}), max_k=1, confidence=0.0)
     policy.observe(4, 1, [1] * 330 + [0] * 670, draft_seconds=0.0)  # alpha 0.33
     for _ in range(4):  # both kinds measured: no cost probes
         for k in (0, 1):
             policy.observe(4, k, [0] * 4, step_seconds=1.0 + 0.6 * k)
-    decided = []
-    rates = policy._rates
-    policy._rates = lambda *args: decided.append(policy.steps) or rates(*args)
     assert policy.choose(4, remaining=[40] * 4) == 0
-    plain, draft = rates(4, ["pooled"] * 4, policy.alpha, [1.0, 1.6], [40] * 4, 0)
-    held = min(int(100 * (plain / draft - 1)), policy.memory)
-    assert held == policy.memory  # 1.6 a step for 1.33 tokens, waiting for the last of 4 rows: a margin of 35 %
-    for left in range(39, 39 - held, -1):
-        policy.observe(4, 0, [0] * 4, step_seconds=1.0)
-        assert policy.choose(4, remaining=[left] * 4) == 0
-    assert set(decided) == {policy.steps - held}  # one decision (estimates and optimistic)
-    policy.choose(3, remaining=[39] * 3)  # a row ended
-    policy.choose(4, remaining=[48] * 4)  # a new batch
-    assert len(decided) == 6 and policy.chosen[-held - 2:] == [0] * (held + 2)
+    plain, draft = policy.rates(4, ["pooled"] * 4, policy.alpha, remaining=[40] * 4)
+    assert plain / draft > 1 + policy.memory / 100  # 1.6 a step for 1.33 tokens, waiting for the last of 4 rows
+    assert policy.held() == 1 + policy.memory
+    narrow = AdaptiveDraftLength(VerifyCost({(1, k, 64): 1.0 + 0.3 * k for k in range(2)}), max_k=1, confidence=0.0)
+    narrow.observe(1, 1, [1] * 260 + [0] * 740, draft_seconds=0.0)  # alpha 0.26: 1.26 tokens for 1.3
+    for _ in range(4):
+        for k in (0, 1):
+            narrow.observe(1, k, [0], step_seconds=1.0 + 0.3 * k)
+    assert narrow.choose(1) == 0
+    plain, draft = narrow.rates(1, ["pooled"], narrow.alpha)
+    assert narrow.held() == 1 + int(100 * (plain / draft - 1)) < 1 + narrow.memory
+    narrow.observe(1, 1, [1] * 3000, draft_seconds=0.0)  # now drafting pays
+    assert narrow.choose(1) == 1 and narrow.held() == 1
+
+
+def test_decoder_takes_the_plain_steps_a_policy_held_without_asking(tiny_llama, prompts, alone):
+    """After a choice of 0 covering n steps (``held()``), the decoder takes the next n - 1 steps
+    plain without calling ``choose`` or ``observe``, and asks again at once when a row ends."""
+    eos = alone[1][5]  # row 1 ends at step 4 (its first token came from the prefill)
+    assert eos not in alone[0] + alone[2]
+
+    class Hold:
+        def __init__(self):
+            self.asked, self.observed = [], 0
+
+        def choose(self, B, previous, lengths, remaining, pending):
+            self.asked.append(N_NEW - 1 - max(remaining))  # the step about to run
+            return 0
+
+        def held(self):
+            return 3
+
+        def observe(self, *args):
+            self.observed += 1
+
+    policy = Hold()
+    res = BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, N_NEW, Chain(3), policy=policy,
+                                                                          eos_token_id=eos)
+    assert [r.tokens for r in res.rows] == [r.tokens for r in generate_plain_batch(tiny_llama, prompts, N_NEW, eos_token_id=eos).rows]
+    assert policy.asked == [0, 3, 5, 8, 11, 14, 17, 20] and policy.observed == len(policy.asked)
+    assert res.draft_lengths == [0] * res.num_steps == [0] * (N_NEW - 1)
 
 
 def test_adaptive_policy_drafts_after_accepted_runs():
@@ -615,7 +643,8 @@ def test_adaptive_decoding_stays_lossless(tiny_llama, prompts, alone):
     res = BatchedSpeculativeDecoder(tiny_llama, _oracle(tiny_llama, prompts, alone)).generate(
         prompts, N_NEW, Chain(3), policy=policy)
     assert [r.tokens for r in res.rows] == alone
-    assert res.draft_lengths == policy.chosen and set(res.draft_lengths) <= {0, 1, 2, 3}
+    assert [k for k in res.draft_lengths if k] == [k for k in policy.chosen if k] and set(res.draft_lengths) <= {0, 1, 2, 3}
+    assert len(res.draft_lengths) == res.num_steps >= len(policy.chosen)
     with pytest.raises(DraftlabError, match="chain and block"):
         BatchedSpeculativeDecoder(tiny_llama, NgramProposer()).generate(prompts, 4, DynamicTree(2, 2, 4), policy=policy)
 
