@@ -37,8 +37,8 @@ _KERNEL_DEVICE = "cuda" if _CUDA else "cpu"
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    """Triton kernels in interpreter mode (compiled for the GPU in the CUDA child), with a
+def triton_kernels(monkeypatch):
+    """The Triton kernels module, interpreted (compiled for the GPU in the CUDA child), with a
     16-wide vocab block so V=50 spans 4 blocks (the last one partial)."""
     from draftlab.kernels import triton_verify
 
@@ -214,7 +214,7 @@ def test_reference_hand_cases(case):
 
 
 @pytest.mark.parametrize("case", HAND_CASES, ids=lambda f: f.__name__[5:])
-def interp_hand_cases(interpret, case):
+def interp_hand_cases(triton_kernels, case):
     case(_both)
 
 
@@ -256,7 +256,7 @@ CHAIN_CASES = {
 
 
 @pytest.mark.parametrize("case", CHAIN_CASES)
-def interp_chain_greedy_matches_reference(interpret, case):
+def interp_chain_greedy_matches_reference(triton_kernels, case):
     lengths, modes = CHAIN_CASES[case]
     gen = torch.Generator().manual_seed(1)
     cu = torch.tensor([0] + lengths).cumsum(0)
@@ -282,7 +282,7 @@ def interp_chain_greedy_matches_reference(interpret, case):
 
 @pytest.mark.parametrize("with_q", [True, False], ids=["draft_probs", "point_mass"])
 @pytest.mark.parametrize("case", CHAIN_CASES)
-def interp_chain_sampling_matches_reference(interpret, case, with_q):
+def interp_chain_sampling_matches_reference(triton_kernels, case, with_q):
     lengths, modes = CHAIN_CASES[case]
     gen = torch.Generator().manual_seed(2)
     args = _chain_inputs(gen, lengths, 50, modes, with_q)
@@ -294,15 +294,15 @@ def interp_chain_sampling_matches_reference(interpret, case, with_q):
             assert num[b] == 0
 
 
-def interp_chain_sampling_bf16_and_full_block(interpret, monkeypatch):
+def interp_chain_sampling_bf16_and_full_block(triton_kernels, monkeypatch):
     """bf16 inputs (loaded as fp32 on both paths) and the default, single vocab block."""
-    monkeypatch.setattr(interpret, "MAX_BLOCK_V", 1024)
+    monkeypatch.setattr(triton_kernels, "MAX_BLOCK_V", 1024)
     gen = torch.Generator().manual_seed(3)
     drafts, cu, p, q, u, e = _chain_inputs(gen, [2, 3, 1], 64, ["random"] * 3)
     _both(K.chain_verify_sampling, drafts, cu, p.bfloat16(), q.bfloat16(), u, e.bfloat16())
 
 
-def interp_chain_sampling_tie_goes_to_lowest_token(interpret):
+def interp_chain_sampling_tie_goes_to_lowest_token(triton_kernels):
     # bonus row with equal maxima in blocks 0 and 2 (16-wide blocks): both must pick token 3
     p = torch.zeros(1, 50)
     p[0, 3] = p[0, 40] = 0.5
@@ -344,7 +344,7 @@ def _greedy_targets(gen, tokens, parents, vocab):
     return target
 
 
-def interp_tree_greedy_matches_reference(interpret):
+def interp_tree_greedy_matches_reference(triton_kernels):
     gen = torch.Generator().manual_seed(4)
     tokens, parents = _random_trees(gen, TREE_SIZES, 9, 6)
     target = _greedy_targets(gen, tokens, parents, 6)
@@ -358,7 +358,7 @@ def interp_tree_greedy_matches_reference(interpret):
 
 
 @pytest.mark.parametrize("coins", ["random", "accept", "reject"])
-def interp_tree_sampling_matches_reference(interpret, coins):
+def interp_tree_sampling_matches_reference(triton_kernels, coins):
     gen = torch.Generator().manual_seed(5)
     vocab = 50
     tokens, parents = _random_trees(gen, TREE_SIZES, 9, vocab)
@@ -382,7 +382,7 @@ def interp_tree_sampling_matches_reference(interpret, coins):
         assert num.tolist()[1:] != [0, 0, 0]
 
 
-def interp_tree_root_only_batch(interpret):
+def interp_tree_root_only_batch(triton_kernels):
     gen = torch.Generator().manual_seed(6)
     tokens = torch.tensor([[3], [4]])
     parents = torch.tensor([[-1], [-1]])
