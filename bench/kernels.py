@@ -138,5 +138,9 @@ def run(argv, args) -> int:
     return 0
 
 
+def main(argv=None) -> int:
+    return main_with_errors("bench/kernels.py", parse_args, run, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main_with_errors("kernels.py", parse_args, run))
+    sys.exit(main())

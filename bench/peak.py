@@ -100,9 +100,8 @@ def main_with_errors(prog: str, parse_args, run, argv=None) -> int:
     """``run(argv, parse_args(argv))``; a DraftlabError becomes one line on stderr and exit 2."""
     from draftlab.errors import DraftlabError
 
-    args = parse_args(argv)
     try:
-        return run(argv, args)
+        return run(argv, parse_args(argv))
     except DraftlabError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

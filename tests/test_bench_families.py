@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import batch as batch_bench  # noqa: E402
 import families  # noqa: E402
+import kernels as kernels_bench  # noqa: E402
 
 
 def _run(tmp_path, reports=True):
@@ -40,6 +41,14 @@ def test_one_line_errors(tmp_path, capsys, what, message):
     assert families.main([str(run), "--quick"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench/families.py: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("bench, prog", [(batch_bench, "bench/batch.py"), (kernels_bench, "bench/kernels.py")])
+def test_bad_draft_lengths_are_one_line_errors(capsys, bench, prog):
+    """A bad list flag is a one-line error (raised while parsing, before any model loads)."""
+    assert bench.main(["--ks", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{prog}: error: --ks:") and "\n" not in err
 
 
 def test_batch_tables_summarise_adaptive_with_paired_intervals():
