@@ -181,6 +181,16 @@ def exact_joint(target, prompt, depth, temperature, top_k):
     return joint
 
 
+def assert_follows_target(counts, target, prompt, depth: int, temperature: float, top_k: int, n: int) -> None:
+    """``counts`` of ``n`` sampled ``depth``-token continuations of ``prompt`` fit the target's
+    exact joint (chi-square), and the test has power: a joint shifted 30 % towards top-k = 2
+    is rejected."""
+    joint = exact_joint(target, prompt, depth, temperature, top_k)
+    assert chi2_pvalue(counts, joint, n) > 1e-3
+    skewed = exact_joint(target, prompt, depth, temperature, 2)
+    assert chi2_pvalue(counts, {c: 0.7 * joint[c] + 0.3 * skewed.get(c, 0.0) for c in joint}, n) < 1e-3
+
+
 def chi2_pvalue(counts, joint: dict, n: int) -> float:
     """Chi-square goodness of fit; cells expecting fewer than 5 draws are pooled."""
     assert set(counts) <= set(joint), f"sampled outside the target's support: {set(counts) - set(joint)}"
