@@ -2,15 +2,22 @@
 
 A Medusa-2 checkpoint holds heads and LoRA adapters. vLLM's Medusa proposer loads heads alone and
 reads the hidden states of the model it serves, so the adapters belong in that model: serve the
-*merged* target (``models.medusa2.export_merged_target`` writes it beside these heads as
-``../target``). The heads' tensors, config and reduced-vocabulary ``token_map`` are exactly
-Medusa-1's (``export/medusa.py``: ``VllmMedusa``). Export only: importing vLLM Medusa heads gives
-a Medusa-1 drafter (``--format medusa-vllm``), there are no adapters to read back.
+*merged* target (:func:`export_merged_target` writes it beside these heads as ``../target``). The
+heads' tensors, config and reduced-vocabulary ``token_map`` are exactly Medusa-1's
+(``export/medusa.py``: ``VllmMedusa``). Export only: importing vLLM Medusa heads gives a Medusa-1
+drafter (``--format medusa-vllm``), there are no adapters to read back.
 """
 
 from __future__ import annotations
 
-from draftlab.export.formats import register
+import json
+from pathlib import Path
+
+from draftlab import atomic
+from draftlab.checkpoint import load_drafter, read_meta
+from draftlab.errors import DraftlabError
+from draftlab.export.exporter import check_out_dir, default_speculative_tokens, export_checkpoint, load_target
+from draftlab.export.formats import ExportOptions, register
 from draftlab.export.medusa import VllmMedusa
 
 
@@ -28,7 +35,7 @@ class VllmMedusa2(VllmMedusa):
         return (
             super().serving(out, merged, opts, config)
             + "\n\nServe the heads on the Medusa-2 *merged* target (base weights + LoRA), the model they were trained on: "
-            f"`models.medusa2.export_merged_target` writes it beside these heads. On the original `{target_name}` vLLM still "
+            f"`export.medusa2.export_merged_target` writes it beside these heads. On the original `{target_name}` vLLM still "
             "returns the original's outputs, with lower acceptance."
         )
 
@@ -40,3 +47,35 @@ class VllmMedusa2(VllmMedusa):
 
 
 register(VllmMedusa2())
+
+
+# ============================================================================ the merged target
+
+MERGED_DIR, HEADS_DIR = "target", "medusa"
+
+
+def export_merged_target(checkpoint_dir, base_target, out_dir, overwrite: bool = False) -> Path:
+    """Write, atomically, ``out_dir/target``: the merged model as a Hugging Face model
+    (``save_pretrained``, safetensors, with the tokenizer), and ``out_dir/medusa``: the heads in
+    vLLM's Medusa layout (:class:`VllmMedusa2`), whose model card serves them on the merged model.
+    ``base_target`` is a loaded ``Target`` or a target spec."""
+    out = Path(out_dir)
+    check_out_dir(out, overwrite)
+    base_target = load_target(base_target)
+    meta = read_meta(checkpoint_dir)
+    if meta["algorithm"] != VllmMedusa2.algorithm:  # only Medusa-2 has adapters to merge
+        raise DraftlabError(f"{checkpoint_dir}: a {meta['algorithm']} checkpoint, not {VllmMedusa2.algorithm}")
+    drafter, _ = load_drafter(checkpoint_dir, base_target)
+    model = drafter.merged_hf_model(base_target)
+    with atomic.directory(out) as tmp:
+        model.save_pretrained(tmp / MERGED_DIR)
+        base_target.tokenizer.save_pretrained(tmp / MERGED_DIR)
+        (tmp / MERGED_DIR / "draftlab_merge.json").write_text(json.dumps({
+            "merged_from": str(checkpoint_dir), "base_target": base_target.identity,
+            "lora": {"r": drafter.lora_r, "alpha": drafter.lora_alpha, "targets": drafter.lora_targets},
+        }, indent=2) + "\n")
+        opts = ExportOptions(speculative_tokens=min(default_speculative_tokens(meta), drafter.num_heads), verifier=str(out / MERGED_DIR))
+        heads = export_checkpoint(checkpoint_dir, "vllm", tmp / HEADS_DIR, base_target, opts)
+        card = heads / "README.md"  # it names the directory it was written to: the staging one
+        card.write_text(card.read_text().replace(str(tmp), str(out)))
+    return out

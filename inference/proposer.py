@@ -15,29 +15,28 @@ any other. A drafter family registers its proposer class in :data:`PROPOSERS` un
 ``algorithm`` names, in its own module; it is built as ``cls(drafter)`` from a loaded drafter
 (:func:`load_proposer`), every decoding option travelling in the shape instead.
 
-Protocol, for one sequence (batch size 1):
+Protocol. The decoder drafts for a batch of B sequences through ``proposer.batched(B, shape)``,
+a :class:`RowProposers` (a batch of one wraps the proposer itself), whose rows are addressed by
+position among the sequences still decoding:
 
 0. ``configure(sampling)`` before each generation: the decoding parameters (temperature,
    top-k, top-p and the seeded generator). A proposer that returns draft probabilities uses
    ``sampling.probs(logits)`` for them and ``sampling.sample(probs)`` to draw its tokens.
-1. ``start(prompt_ids, hidden, next_token)`` after the target's prefill. ``hidden`` holds the
-   target's hidden states (indices in ``Proposer.layers``) for every prompt position and
-   ``next_token`` is the token the target produced after the prompt. Shapes: ``prompt_ids``
-   Long[T]; hidden tensors [1, T, H] as the target returns them.
-2. ``propose(shape)`` drafts following everything seen so far: a :class:`ChainDraft` of at most
-   ``shape.k`` tokens for a chain or block (it may return fewer, even none), a
-   :class:`DraftTree` rooted at the last token for a tree.
-3. The decoder verifies with one target forward over ``[last token, drafts...]`` and calls
-   ``advance(accepted, hidden)``: ``accepted`` = accepted draft tokens then the bonus/correction
-   token (n + 1 tokens); ``hidden`` = the target's hidden states for the n + 1 *inputs* that
-   were verified and kept (the previous last token and the n accepted drafts; for a tree, the
-   root and the accepted path's nodes).
+1. ``start(row, prompt_ids, hidden, next_token)`` per row after the target's prefill:
+   ``prompt_ids`` Long[T], ``hidden`` the target's hidden states of every prompt position
+   (indices in ``Proposer.layers``, [1, T, H] each), ``next_token`` the target's token after it.
+2. ``propose(shape)``: one draft per row, following everything seen so far: a
+   :class:`ChainDraft` of at most ``shape.k`` tokens for a chain or block (it may return fewer,
+   even none), a :class:`DraftTree` rooted at the last token for a tree.
+3. ``advance(accepted, hidden, rows)``, only before those rows draft again: per row the tokens
+   kept since it last drafted (accepted drafts then the bonus/correction token, of one or more
+   steps) and the target's hidden states of the kept *inputs* (the previous last token and the
+   accepted drafts; for a tree, the root and the accepted path's nodes), [1, n, H] each.
+4. ``select(rows)`` when sequences finish: keep only the proposers of ``rows``.
 
-Batches: :meth:`Proposer.batched` gives the proposers of B sequences decoded together
-(:class:`RowProposers`: the same protocol, one call for all rows, rows addressed by position
-among those still decoding). The default forks the proposer once per row; ``advance`` may carry
-several steps' kept tokens at once (the batched decoder advances a row only before it drafts
-again, so plain steps cost no drafting).
+The default ``batched`` forks the proposer per row (:meth:`Proposer.fork`) and relays these
+calls to each fork's one-sequence ``start`` / ``propose`` / ``advance``, row after row; a family
+may return its own :class:`RowProposers` subclass that drafts every row at once.
 
 Losslessness contract for sampling (temperature > 0): ``ChainDraft.probs[j]`` must be the
 distribution ``tokens[j]`` was actually drawn from, processed by ``sampling.probs`` so the draft
@@ -104,13 +103,6 @@ class Sampling:
             return probs.argmax(-1)
         flat = probs.reshape(-1, probs.shape[-1])
         return torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
-
-    def next_token(self, logits_row: torch.Tensor) -> int:
-        """The target's next token from one row of logits: the rule of plain decoding, used
-        wherever the target emits a token without a draft to verify."""
-        if self.greedy:
-            return int(logits_row.max(-1).indices)
-        return int(self.sample(self.probs(logits_row)))
 
 
 # ---------------------------------------------------------------------- what a proposer returns

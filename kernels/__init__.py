@@ -54,11 +54,9 @@ tokens (the drafter proposes distinct candidates per position); this is checked.
 
 The decoder's accept rule
 -------------------------
-:func:`accept_chains` and :func:`accept_trees` verify a batch's step from the target's logits
-(the decoder), :func:`accept_chain` and :func:`accept_tree` one sequence's: they choose
-greedy or sampling, draw the verifier's coins and Exp(1) noise from ``sampling.generator`` and
-call the verifiers above. A one-sequence step with no drafts emits the plain decoding token,
-drawn like plain decoding draws it, so seeded streams match ``generate_plain``'s.
+:func:`accept_chains` and :func:`accept_trees` verify a batch's step (one sequence is the batch
+of one) from the target's logits: they choose greedy or sampling, draw the verifier's coins and
+Exp(1) noise from ``sampling.generator`` and call the verifiers above.
 """
 
 from __future__ import annotations
@@ -73,9 +71,7 @@ from draftlab.errors import DraftlabError
 from draftlab.kernels import reference
 
 __all__ = [
-    "accept_chain",
     "accept_chains",
-    "accept_tree",
     "accept_trees",
     "chain_verify_greedy",
     "chain_verify_sampling",
@@ -292,8 +288,9 @@ def tree_verify_sampling(tree_tokens, parents, target_probs, uniforms, exp_noise
 def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: str = "auto"):
     """Verify a batch of chains in one ragged call: ``drafts`` a list of Long[K_b] (K_b may be
     0), ``target_logits`` [B, T, V] with T > max K_b (row b's first K_b + 1 rows = the target
-    after each input of ``[last token, drafts...]``; the rest is padding), ``draft_probs`` None or
-    a list of Float[K_b, V] | None (None rows are point masses; read only when sampling).
+    after each input of ``[last token, drafts...]``; the rest is padding), ``sampling`` the
+    generation's :class:`~draftlab.inference.proposer.Sampling`, ``draft_probs`` None or a list of
+    Float[K_b, V] | None (None rows are point masses; read only when sampling).
     Returns (per row: emitted tokens = accepted drafts then the correction or bonus token;
     per row: number of drafts accepted)."""
     B, T, V = target_logits.shape
@@ -319,18 +316,6 @@ def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: st
     return [row[: n + 1] for row, n in zip(out, num)], num
 
 
-def accept_chain(drafts, target_logits, sampling, draft_probs=None, backend: str = "auto"):
-    """Verify one chain: ``drafts`` Long[K] (K may be 0), ``target_logits`` [K+1, V] (row j = the
-    target after input j of ``[last token, drafts...]``), ``sampling`` the generation's
-    :class:`~draftlab.inference.proposer.Sampling`, ``draft_probs`` Float[K, V] or None (point
-    masses; read only when sampling). Returns (emitted tokens: accepted drafts then the
-    correction or bonus token, number of drafts accepted)."""
-    if drafts.numel() == 0:  # nothing to verify: a plain decoding step
-        return [sampling.next_token(target_logits[0])], 0
-    tokens, num = accept_chains([drafts], target_logits[None], sampling, [draft_probs], backend)
-    return tokens[0], num[0]
-
-
 def accept_trees(tokens, parents, target_logits, sampling, backend: str = "auto"):
     """Verify a batch of trees: ``tokens``, ``parents`` Long[B, N] (node 0 the root, parent -1;
     padding nodes have parent -1), ``target_logits`` [B, N, V] (row n = the target after node n).
@@ -347,14 +332,3 @@ def accept_trees(tokens, parents, target_logits, sampling, backend: str = "auto"
                                               backend=backend)
     num, out = num.tolist(), out.tolist()
     return path, [row[: n + 1] for row, n in zip(out, num)], num
-
-
-def accept_tree(tokens, parents, target_logits, sampling, backend: str = "auto"):
-    """Verify one tree: ``tokens``, ``parents`` Long[N+1] with the root first (parent -1),
-    ``target_logits`` [N+1, V] (row n = the target after node n). Returns (path: Long[n+1], the
-    accepted node indices from the root 0; emitted tokens: accepted drafts then the correction
-    or bonus token; n, the number of drafts accepted)."""
-    if tokens.numel() == 1:  # the root alone: a plain decoding step
-        return torch.zeros(1, dtype=torch.long, device=tokens.device), [sampling.next_token(target_logits[0])], 0
-    path, out, num = accept_trees(tokens[None], parents[None], target_logits[None], sampling, backend)
-    return path[0, : num[0] + 1], out[0], num[0]

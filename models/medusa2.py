@@ -19,19 +19,16 @@ A/B linears are registered under the drafter (``lora.{layer}.{proj}.lora_A|lora_
 very modules peft's layers call: the checkpoint holds the heads and the LoRA tensors only.
 
 Decoding is lossless with respect to the *merged* target (base weights + B A * alpha / r), the
-model Medusa-2 serves: :func:`merged_target` builds it as a ``Target`` for draftlab's decoder,
-the ``medusa2`` proposer (``inference/medusa2.py``) is Medusa-1's reading the merged target's
-``hidden[L]``, and :func:`greedy_divergence` measures how far the merged target's greedy
-outputs moved from the original's. :func:`export_merged_target` writes the merged HF model and
-the heads in vLLM's Medusa layout beside it.
+model Medusa-2 serves: :meth:`Medusa2Drafter.merged_target` builds it as a ``Target``. The
+``medusa2`` proposer (``inference/medusa2.py``) verifies with it and reports how far its greedy
+outputs moved from the original's; ``export/medusa2.py`` writes it as a Hugging Face model beside
+the heads in vLLM's Medusa layout.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import re
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -42,6 +39,7 @@ from draftlab.errors import DraftlabError
 from draftlab.losses.eagle import SoftCrossEntropy, shift_left
 from draftlab.models.drafter import DRAFTERS
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter, MedusaLoss
+from draftlab.models.target import Target
 
 # the projections of a decoder layer of every supported family (models/target.py), in layer order
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -191,6 +189,27 @@ class Medusa2Drafter(MedusaDrafter):
         object.__setattr__(heads, "_target_lm_head", self._target_lm_head)
         return heads.train(self.training)
 
+    # ---- the merged target ------------------------------------------------------------
+    def merged_hf_model(self, base_target):
+        """A copy of ``base_target``'s HF model with this drafter's adapters merged into its
+        weights (W + B A * alpha / r in the base dtype; every other tensor copied as is). Fresh
+        tensors: no view of the base target's fused weights, ties (embedding / lm_head) kept."""
+        model = copy.deepcopy(base_target.model)  # Parameter deepcopy clones: q/k/v stop being views of one fused tensor
+        modules = dict(model.model.named_modules())
+        with torch.no_grad():
+            for path, delta in self.delta_weights().items():
+                w = modules[path].weight
+                w.add_(delta.to(device=w.device, dtype=w.dtype))
+        return model.eval()
+
+    def merged_target(self, base_target) -> Target:
+        """``base_target`` (the original, as this drafter was trained on) with the adapters merged,
+        as a ``Target``: the verifier Medusa-2 decodes with. Speculative decoding with it is
+        lossless with respect to this merged model, not the original."""
+        name = base_target.identity.get("name", "target")
+        identity = {**base_target.identity, "name": f"{name}+medusa2-lora", "source": "medusa2 merge"}
+        return Target(self.merged_hf_model(base_target), base_target.tokenizer, identity)
+
     # ---- training ---------------------------------------------------------------------
     def training_loss(self, batch, hidden, cfg: Medusa2Loss):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
@@ -222,153 +241,3 @@ class Medusa2Drafter(MedusaDrafter):
         with torch.no_grad():  # how often the adapted target's own greedy token is still the original's
             lm_agree = (lm_logits.argmax(-1) == z0.argmax(-1)).float().mean().item() if lm_logits.numel() else 0.0
         return loss + heads, {**metrics, "lm_kl": kl.item(), "lm_agree": lm_agree}
-
-
-# ============================================================================ the merged target
-
-
-def merged_hf_model(drafter: Medusa2Drafter, base_target):
-    """A copy of ``base_target``'s HF model with the drafter's adapters merged into its weights
-    (W + B A * alpha / r in the base dtype; every other tensor copied as is). Fresh tensors: no
-    view of the base target's fused weights, ties (embedding / lm_head) kept."""
-    model = copy.deepcopy(base_target.model)  # Parameter deepcopy clones: q/k/v stop being views of one fused tensor
-    modules = dict(model.model.named_modules())
-    with torch.no_grad():
-        for path, delta in drafter.delta_weights().items():
-            w = modules[path].weight
-            w.add_(delta.to(device=w.device, dtype=w.dtype))
-    return model.eval()
-
-
-def load_medusa2(checkpoint_dir, base_target) -> Medusa2Drafter:
-    from draftlab.checkpoint import load_drafter
-
-    drafter, meta = load_drafter(checkpoint_dir, base_target)
-    if meta["algorithm"] != Medusa2Drafter.algorithm:
-        raise DraftlabError(f"{checkpoint_dir}: a {meta['algorithm']} checkpoint, not {Medusa2Drafter.algorithm}")
-    return drafter
-
-
-def merged_target(checkpoint_dir, base_target):
-    """The ``Target`` Medusa-2 decodes with: ``base_target`` (the original, as the checkpoint was
-    trained on) with the checkpoint's adapters merged. Speculative decoding with it and the
-    checkpoint's proposer is lossless with respect to this merged model, not the original."""
-    return merge(load_medusa2(checkpoint_dir, base_target), base_target)
-
-
-def merge(drafter: Medusa2Drafter, base_target):
-    """``base_target`` with ``drafter``'s adapters merged, as a ``Target`` (the proposer's verifier)."""
-    from draftlab.models.target import Target
-
-    name = base_target.identity.get("name", "target")
-    identity = {**base_target.identity, "name": f"{name}+medusa2-lora", "source": "medusa2 merge"}
-    return Target(merged_hf_model(drafter, base_target), base_target.tokenizer, identity)
-
-
-def load_merged(checkpoint_dir, base_target):
-    """(merged target, the checkpoint's proposer): what ``SpeculativeDecoder`` takes to decode as
-    Medusa-2 serves (``inference.evaluate`` asks the proposer for its verifier itself)."""
-    from draftlab.inference.proposer import load_proposer
-
-    proposer = load_proposer(checkpoint_dir, base_target)
-    return proposer.verifier(base_target), proposer
-
-
-def greedy_divergence(base_target, merged, prompts, max_new_tokens: int = 64, eos_token_id=None) -> dict:
-    """How far ``merged``'s greedy continuations moved from ``base_target``'s on ``prompts``
-    (``EvalPrompt``s or token-id lists): per prompt, both decode greedily and the first position
-    where they differ is found; every token from there on counts as differing (a divergence
-    changes everything after it). ``share_prompts_differ``: prompts whose continuation is not
-    identical; ``share_tokens_differ``: tokens from the first divergence on, over all tokens
-    (per prompt, the longer of the two continuations). ``top1_agreement``: teacher-forced on
-    the original's continuation, the share of its tokens that are also ``merged``'s argmax at
-    that position (how often the models disagree, without one flip counting everything after it)."""
-    from draftlab.inference.decoder import generate_plain
-
-    per = []
-    agree = forced = 0
-    for p in prompts:
-        ids = getattr(p, "prompt_ids", p)
-        a = generate_plain(base_target, ids, max_new_tokens, eos_token_id=eos_token_id).tokens
-        b = generate_plain(merged, ids, max_new_tokens, eos_token_id=eos_token_id).tokens
-        prefix = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        n = max(len(a), len(b))
-        per.append({"first_divergence": None if a == b else prefix, "tokens": n, "tokens_differ": n - prefix})
-        with torch.no_grad():
-            logits = merged(torch.tensor([list(ids) + a[:-1]], device=merged.device), logits="all").logits[0, len(ids) - 1 :]
-        agree += int((logits.argmax(-1).cpu() == torch.tensor(a)).sum())
-        forced += len(a)
-    if not per:
-        raise DraftlabError("greedy_divergence needs at least one prompt")
-    differ = sum(r["first_divergence"] is not None for r in per)
-    tokens, after = sum(r["tokens"] for r in per), sum(r["tokens_differ"] for r in per)
-    return {
-        "num_prompts": len(per),
-        "max_new_tokens": max_new_tokens,
-        "prompts_differ": differ,
-        "share_prompts_differ": differ / len(per),
-        "tokens": tokens,
-        "tokens_differ": after,
-        "share_tokens_differ": after / max(tokens, 1),
-        "top1_agreement": agree / max(forced, 1),
-        "per_prompt": per,
-    }
-
-
-def eval_prompts(checkpoint_dir, tokenizer, num_prompts: int | None = None):
-    """The prompts of the checkpoint recipe's ``eval`` section (its data set and held-out split)."""
-    from draftlab.checkpoint import read_meta
-    from draftlab.data.dataset import DataSpec
-    from draftlab.inference.prompts import load_prompts
-
-    recipe = read_meta(checkpoint_dir).get("recipe") or {}
-    ev = recipe.get("eval") or {}
-    spec = DataSpec.model_validate(recipe["data"]) if recipe.get("data") else None
-    return load_prompts(ev.get("data", "sharegpt-heldout"), tokenizer, num_prompts or ev.get("num_prompts", 8), data_spec=spec)
-
-
-def checkpoint_divergence(checkpoint_dir, base_target, prompts=None, max_new_tokens: int | None = None) -> dict:
-    """:func:`greedy_divergence` of the checkpoint's merged target, on its recipe's eval prompts
-    and ``max_new_tokens`` unless given; stops at the tokenizer's eos as the evaluation does."""
-    from draftlab.checkpoint import read_meta
-
-    ev = ((read_meta(checkpoint_dir).get("recipe") or {}).get("eval")) or {}
-    prompts = prompts if prompts is not None else eval_prompts(checkpoint_dir, base_target.tokenizer)
-    merged = merged_target(checkpoint_dir, base_target)
-    return greedy_divergence(base_target, merged, prompts, max_new_tokens or ev.get("max_new_tokens", 64),
-                             eos_token_id=base_target.tokenizer.eos_token_id)
-
-
-# ============================================================================ export
-
-MERGED_DIR, HEADS_DIR = "target", "medusa"
-
-
-def export_merged_target(checkpoint_dir, base_target, out_dir, overwrite: bool = False) -> Path:
-    """Write, atomically, ``out_dir/target``: the merged model as a Hugging Face model
-    (``save_pretrained``, safetensors, with the tokenizer), and ``out_dir/medusa``: the heads in
-    vLLM's Medusa layout (``export/medusa2.py``), whose model card serves them on the merged model.
-    ``base_target`` is a loaded ``Target`` or a target spec."""
-    from draftlab import atomic
-    from draftlab.checkpoint import read_meta
-    from draftlab.export.exporter import check_out_dir, default_speculative_tokens, export_checkpoint, load_target
-    from draftlab.export.formats import ExportOptions
-
-    out = Path(out_dir)
-    check_out_dir(out, overwrite)
-    base_target = load_target(base_target)
-    meta = read_meta(checkpoint_dir)
-    drafter = load_medusa2(checkpoint_dir, base_target)
-    model = merged_hf_model(drafter, base_target)
-    with atomic.directory(out) as tmp:
-        model.save_pretrained(tmp / MERGED_DIR)
-        base_target.tokenizer.save_pretrained(tmp / MERGED_DIR)
-        (tmp / MERGED_DIR / "draftlab_merge.json").write_text(json.dumps({
-            "merged_from": str(checkpoint_dir), "base_target": base_target.identity,
-            "lora": {"r": drafter.lora_r, "alpha": drafter.lora_alpha, "targets": drafter.lora_targets},
-        }, indent=2) + "\n")
-        opts = ExportOptions(speculative_tokens=min(default_speculative_tokens(meta), drafter.num_heads), verifier=str(out / MERGED_DIR))
-        heads = export_checkpoint(checkpoint_dir, "vllm", tmp / HEADS_DIR, base_target, opts)
-        card = heads / "README.md"  # it names the directory it was written to: the staging one
-        card.write_text(card.read_text().replace(str(tmp), str(out)))
-    return out

@@ -492,48 +492,58 @@ def _coins_then_noise(sampling, coins: tuple, noise: tuple):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampling"])
-def test_accept_chain_is_the_verifiers_with_the_generations_draws(temperature):
+def test_accept_chains_is_the_verifiers_with_the_generations_draws(temperature):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 12, generator=gen)
     drafts = logits[:3].argmax(-1)
     drafts[2] = (drafts[2] + 1) % 12  # accept two, reject the third (greedy)
     q = torch.softmax(torch.randn(3, 12, generator=gen), -1)
-    tokens, n = K.accept_chain(drafts, logits, _sampling(temperature, 5), q, backend="torch")
+    tokens, n = K.accept_chains([drafts], logits[None], _sampling(temperature, 5), [q], backend="torch")
     s, cu = _sampling(temperature, 5), torch.tensor([0, 3])
     if temperature == 0.0:
         out, num = K.chain_verify_greedy(drafts, cu, logits.argmax(-1), backend="torch")
-        assert n == 2
+        assert n == [2]
     else:
         u, e = _coins_then_noise(s, (3,), (4, 12))
         out, num = K.chain_verify_sampling(drafts, cu, s.probs(logits), q, u, e, backend="torch")
-    assert (tokens, n) == (out[0, : int(num[0]) + 1].tolist(), int(num[0]))
+    assert (tokens, n) == ([out[0, : int(num[0]) + 1].tolist()], [int(num[0])])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampling"])
-def test_accept_tree_is_the_verifiers_with_the_generations_draws(temperature):
+def test_accept_trees_is_the_verifiers_with_the_generations_draws(temperature):
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(4, 12, generator=gen)
     tokens = torch.tensor([7, logits[0].argmax(), (logits[0].argmax() + 1) % 12, logits[1].argmax()])
     parents = torch.tensor([-1, 0, 0, 1])
-    path, emitted, n = K.accept_tree(tokens, parents, logits, _sampling(temperature, 6), backend="torch")
+    path, emitted, n = K.accept_trees(tokens[None], parents[None], logits[None], _sampling(temperature, 6), backend="torch")
     s = _sampling(temperature, 6)
     if temperature == 0.0:
         want = K.tree_verify_greedy(tokens[None], parents[None], logits.argmax(-1)[None], backend="torch")
-        assert n == 2 and path.tolist() == [0, 1, 3]
+        assert n == [2] and path.tolist() == [[0, 1, 3]]
     else:
         u, e = _coins_then_noise(s, (1, 4), (1, 4, 12))
         want = K.tree_verify_sampling(tokens[None], parents[None], s.probs(logits[None]), u, e, backend="torch")
     m = int(want[2][0])
-    assert (path.tolist(), emitted, n) == (want[0][0, : m + 1].tolist(), want[1][0, : m + 1].tolist(), m)
+    assert torch.equal(path, want[0]) and (emitted, n) == ([want[1][0, : m + 1].tolist()], [m])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampling"])
-def test_accept_without_drafts_is_a_plain_decoding_step(temperature):
+def test_accept_without_drafts_emits_the_targets_token(temperature):
+    """A row with nothing to verify (an empty chain, a root-only tree) emits one token: the
+    target's argmax when greedy, else the bonus draw from the target's distribution."""
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(5))
-    want = _sampling(temperature, 7).next_token(logits[0])
-    assert K.accept_chain(torch.zeros(0, dtype=torch.long), logits, _sampling(temperature, 7)) == ([want], 0)
-    path, emitted, n = K.accept_tree(torch.tensor([3]), torch.tensor([-1]), logits, _sampling(temperature, 7))
-    assert (path.tolist(), emitted, n) == ([0], [want], 0)
+    s, none = _sampling(temperature, 7), torch.zeros(0, dtype=torch.long)
+    tokens, n = K.accept_chains([none], logits[None], _sampling(temperature, 7))
+    path, emitted, m = K.accept_trees(torch.tensor([[3]]), torch.tensor([[-1]]), logits[None], _sampling(temperature, 7))
+    assert n == m == [0] and path.tolist() == [[0]]
+    if temperature == 0.0:
+        assert tokens == emitted == [[int(logits[0].argmax())]]
+        return
+    u, e = _coins_then_noise(s, (0,), (1, 12))
+    assert tokens == [[int(torch.argmax(s.probs(logits[0]) / e[0]))]]
+    s = _sampling(temperature, 7)
+    u, e = _coins_then_noise(s, (1, 1), (1, 1, 12))
+    assert emitted == [[int(torch.argmax(s.probs(logits[0]) / e[0, 0]))]]
 
 
 # ---------------------------------------------------------------------------------------------

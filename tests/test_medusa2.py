@@ -21,20 +21,12 @@ from safetensors.torch import load_file
 
 from draftlab import checkpoint as ckpt
 from draftlab.errors import DraftlabError
+from draftlab.export.medusa2 import export_merged_target
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
-from draftlab.inference.proposer import Chain, StaticTree
+from draftlab.inference.medusa2 import greedy_divergence
+from draftlab.inference.proposer import Chain, StaticTree, load_proposer
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter
-from draftlab.models.medusa2 import (
-    LORA_TARGETS,
-    Medusa2Config,
-    Medusa2Drafter,
-    Medusa2Loss,
-    checkpoint_divergence,
-    export_merged_target,
-    greedy_divergence,
-    load_merged,
-    merged_target,
-)
+from draftlab.models.medusa2 import LORA_TARGETS, Medusa2Config, Medusa2Drafter, Medusa2Loss
 from tiny import assert_one_line, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint, write_chat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +61,17 @@ def _peft_model(target_dir, drafter):
 
 def _prompt(target, text="the quick brown fox"):
     return target.tokenizer(text, return_tensors="pt").input_ids[0]
+
+
+def _merged(path, target):
+    """The checkpoint's merged target, as decoding gets it: its proposer's verifier."""
+    return load_proposer(path, target).verifier(target)
+
+
+def _divergence(path, target, prompts, max_new_tokens):
+    """The checkpoint's greedy divergence from ``target``, as an evaluation reports it (eos stops)."""
+    report = load_proposer(path, target).verifier_report(target, prompts, max_new_tokens, target.tokenizer.eos_token_id)
+    return report["divergence_from_original"]
 
 
 # ---------------------------------------------------------------------------- the drafter
@@ -175,7 +178,7 @@ def test_merged_target_equals_peft_merge_and_adapted_forward(tiny_llama, tiny_ta
     d = _drafter(t, heads=2, lora_scale=0.2)
     ids = random_samples(t, n=1, T=20)[0]["input_ids"][None]
     before = t(ids).logits.clone()
-    merged = merged_target(save_checkpoint(d, t, tmp_path / "ckpt"), t)
+    merged = _merged(save_checkpoint(d, t, tmp_path / "ckpt"), t)
     ours = merged(ids).logits
     model = _peft_model(tiny_target_dirs["llama"], d)
     with torch.no_grad():
@@ -202,7 +205,7 @@ def fitted_ckpt(tiny_llama, tmp_path_factory):
     torch.manual_seed(0)
     d = _drafter(t, heads=3, lora_scale=0.3, seed=2).train()
     path = save_checkpoint(d, t, tmp_path_factory.mktemp("medusa2") / "perturbed")
-    merged = merged_target(path, t)
+    merged = _merged(path, t)
     ids = torch.cat([_prompt(t), torch.tensor(generate_plain(merged, _prompt(t), 40).tokens)])[None]
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool), "attention_mask": torch.ones_like(ids)}
     hidden = {t.num_layers: final_hidden(t, ids)}
@@ -219,8 +222,9 @@ def fitted_ckpt(tiny_llama, tmp_path_factory):
 @pytest.mark.parametrize("shape", [Chain(3), StaticTree(((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))], ids=["chain", "static-tree"])
 def test_speculative_decoding_with_the_merged_target_is_greedy_exact(tiny_llama, fitted_ckpt, shape):
     t = tiny_llama
-    merged, proposer = load_merged(fitted_ckpt, t)
-    assert proposer.name == "medusa2"
+    proposer = load_proposer(fitted_ckpt, t)
+    merged = proposer.verifier(t)
+    assert proposer.name == "medusa2" and proposer.verifier(t) is merged  # built once
     plain = generate_plain(merged, _prompt(t), 24)
     spec = SpeculativeDecoder(merged, proposer).generate(_prompt(t), 24, shape=shape)
     assert spec.tokens == plain.tokens and max(spec.accept_lengths) >= 2
@@ -230,11 +234,11 @@ def test_speculative_decoding_with_the_merged_target_is_greedy_exact(tiny_llama,
 def test_greedy_divergence_is_zero_for_zero_lora_and_positive_when_perturbed(tiny_llama, fitted_ckpt, tmp_path):
     t = tiny_llama
     prompts = [_prompt(t, s).tolist() for s in ("the quick brown fox", "def add(a, b):", "Hello! How can I help")]
-    zero = checkpoint_divergence(save_checkpoint(_drafter(t), t, tmp_path / "zero"), t, prompts, max_new_tokens=16)
+    zero = _divergence(save_checkpoint(_drafter(t), t, tmp_path / "zero"), t, prompts, 16)
     assert zero["prompts_differ"] == 0 and zero["share_tokens_differ"] == 0.0 and zero["tokens"] == sum(r["tokens"] for r in zero["per_prompt"]) > 0
-    moved = checkpoint_divergence(fitted_ckpt.parent / "perturbed", t, prompts, max_new_tokens=16)
+    moved = _divergence(fitted_ckpt.parent / "perturbed", t, prompts, 16)
     assert moved["share_prompts_differ"] > 0 and 0 < moved["share_tokens_differ"] <= 1
-    merged = merged_target(fitted_ckpt.parent / "perturbed", t)
+    merged = _merged(fitted_ckpt.parent / "perturbed", t)
     for p, row in zip(prompts, moved["per_prompt"]):  # the tokens agree up to the first divergence, not at it
         eos = t.tokenizer.eos_token_id
         a, b = generate_plain(t, p, 16, eos_token_id=eos).tokens, generate_plain(merged, p, 16, eos_token_id=eos).tokens
@@ -250,14 +254,13 @@ def test_reports_say_what_decoding_is_lossless_against(tiny_llama, fitted_ckpt):
     """A Medusa-2 evaluation states the merged target as the verifier and how far it moved."""
     from draftlab.inference.evaluate import evaluate
     from draftlab.inference.prompts import EvalPrompt
-    from draftlab.inference.proposer import Chain, load_proposer
     from draftlab.inference.report import markdown
 
     t = tiny_llama
     prompts = [EvalPrompt("c", _prompt(t, s).tolist()) for s in ("the quick brown fox", "def add(a, b):")]
     report = evaluate(t, load_proposer(fitted_ckpt.parent / "perturbed", t), prompts, Chain(2), max_new_tokens=12, warmup=False)
     moved = report["verifier_check"]["divergence_from_original"]
-    assert moved == greedy_divergence(t, merged_target(fitted_ckpt.parent / "perturbed", t), [p.prompt_ids for p in prompts], 12)
+    assert moved == greedy_divergence(t, _merged(fitted_ckpt.parent / "perturbed", t), [p.prompt_ids for p in prompts], 12)
     assert "Decoding is lossless with respect to the merged target" in markdown(report)
     assert "verifier_check" not in evaluate(t, NgramProposer(), prompts[:1], Chain(2), max_new_tokens=4, warmup=False)
 
@@ -269,7 +272,7 @@ def test_export_writes_the_merged_model_and_vllm_heads(tiny_llama, fitted_ckpt, 
     out = export_merged_target(fitted_ckpt, t, tmp_path / "out")
     ids = random_samples(t, n=1, T=20)[0]["input_ids"][None]
     reloaded = Target.load(str(out / "target"))
-    torch.testing.assert_close(reloaded(ids).logits, merged_target(fitted_ckpt, t)(ids).logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(reloaded(ids).logits, _merged(fitted_ckpt, t)(ids).logits, rtol=0, atol=1e-5)
     config = json.loads((out / "medusa" / "config.json").read_text())
     assert config["architectures"] == ["MedusaModel"] and config["num_heads"] == 3 and config["medusa_fc_bias"] is True
     state = load_file(out / "medusa" / "model.safetensors")
@@ -295,9 +298,11 @@ def _recipe(tmp_path, target_dir, name, eval_enabled):
     return path
 
 
-def _run(recipe, env=None):
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "train/medusa2.py", str(recipe)], cwd=REPO, capture_output=True, text=True, env=e, timeout=300)
+def _run(recipe, kill_after=None):
+    """``train/medusa2.py RECIPE``; ``kill_after=N``: SIGKILLed right after the step-N checkpoint."""
+    killer = ["tests/kill_after_checkpoint.py", str(kill_after)] if kill_after else []
+    e = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *killer, "train/medusa2.py", str(recipe)], cwd=REPO, capture_output=True, text=True, env=e, timeout=300)
 
 
 def test_train_entry_point_resumes_bitwise_after_a_kill(tmp_path, tiny_target_dirs):
@@ -305,7 +310,7 @@ def test_train_entry_point_resumes_bitwise_after_a_kill(tmp_path, tiny_target_di
     res = _run(_recipe(tmp_path, target_dir, "straight", eval_enabled=True))
     assert res.returncode == 0, res.stderr[-2000:]
     killed = _recipe(tmp_path, target_dir, "killed", eval_enabled=False)
-    res = _run(killed, {"DRAFTLAB_FAULT_KILL_AFTER_STEP": "2"})
+    res = _run(killed, kill_after=2)
     assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
     res = _run(killed)
     assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
@@ -363,5 +368,6 @@ def test_bad_checkpoints_are_one_line_errors(tiny_llama, tmp_path, case, edit, m
 def test_merging_a_medusa1_checkpoint_is_refused(tiny_llama, tmp_path):
     d = MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_llama)
     with pytest.raises(DraftlabError) as e:
-        merged_target(save_checkpoint(d, tiny_llama, tmp_path / "m1"), tiny_llama)
+        export_merged_target(save_checkpoint(d, tiny_llama, tmp_path / "m1"), tiny_llama, tmp_path / "out")
     assert_one_line(e, "a medusa checkpoint, not medusa2")
+    assert not (tmp_path / "out").exists()
