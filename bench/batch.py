@@ -1,31 +1,25 @@
 """Speculation under load: speedup by batch size for n-gram lookup, a trained drafter at fixed
-draft lengths, and the adaptive draft length.
+draft lengths, and the adaptive draft length (a rule calibrated at start-up).
 
     python bench/batch.py [RUN_OR_CHECKPOINT] [--batch-sizes 1,2,4,8,16] [--ks 1,2,3]
                           [--num-prompts 16] [--max-new-tokens 48] [--min-groups 3] [--adaptive-groups 0]
                           [--threads N] [--no-append] [--quick]
 
-RUN_OR_CHECKPOINT defaults to runs/smollm2-135m-eagle3 (the README's main job). Its target and
+RUN_OR_CHECKPOINT defaults to runs/smollm2-135m-eagle3 (the README's main job); its target and
 held-out ShareGPT split come from the checkpoint's recipe. ``inference.batch_eval.compare_batches``
-decodes, for each batch size, the prompts in groups of B, each group by plain decoding and by
-every configuration in lockstep (one step of each in turn, so the machine's slow spells slow
-them all alike), in an order balanced over the groups for what ran just before
-(``crossover_orders``; greedy; the prompts again until at
-least ``--min-groups`` groups are timed, so batch 16 is not one sample): every speedup is over
-the same plain decoding of the same groups. Configurations: n-gram prompt lookup
-(chain of max k), the drafter's chain at each fixed k, and the adaptive policy (k chosen per
-step in 0..max k, or fewer where the drafter was trained to draft fewer, from the acceptance
-seen so far and the verify cost it measures at start-up). ``--adaptive-groups N``: at each batch
-size, N more groups decoded by plain decoding and the adaptive policy alone, pooled into the
-adaptive row (its verdict against plain decoding, where it decodes about as plain decoding does,
-needs more steps than one forward's noise allows the grid).
+decodes, at each batch size, the prompts in groups of B, each group plainly and by every
+configuration in lockstep, so every speedup is over the same plain decoding of the same groups
+(greedy; the prompts again until ``--min-groups`` groups are timed). Configurations: n-gram
+prompt lookup (chain of max k), the drafter's chain at each fixed k, and the adaptive draft
+length (``inference.draft_length``: k in 0..max k, or fewer where the drafter was trained to
+draft fewer). ``--adaptive-groups N``: N more groups per batch size of the adaptive rule against
+plain decoding alone, pooled into its row.
 
-Output: a table per batch size and configuration (tokens/s, speedup, tau, where the time went,
-greedy checks), a speedup grid with 90 % bootstrap intervals over the groups, the adaptive
-policy's margin over plain decoding and over the best fixed k at each batch size (paired on the
-same groups), and a PNG of speedup against batch size. Unless
-``--no-append`` or ``--quick``, a section appended to BENCHMARKS.md (PNG under bench/figures/).
-``--quick``: 4 prompts x 8 tokens, batch sizes 1,2, nothing appended.
+Output: a table per batch size and configuration, a speedup grid with 90 % bootstrap intervals
+over the groups, the adaptive rule against plain decoding and the best fixed k (paired on the
+same groups), its calibrated costs, and a PNG of speedup against batch size. Unless
+``--no-append`` or ``--quick``, BENCHMARKS.md's section is rewritten (PNG under bench/figures/).
+``--quick``: 4 prompts x 8 tokens, batch sizes 1,2, nothing written.
 """
 
 from __future__ import annotations
@@ -52,14 +46,14 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", nargs="?", default=str(DEFAULT_RUN), help="training run directory or checkpoint")
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
-    p.add_argument("--ks", default="1,2,3", help="fixed draft lengths; the adaptive policy chooses up to the largest (or the drafter's trained depth)")
+    p.add_argument("--ks", default="1,2,3", help="fixed draft lengths; the adaptive rule chooses up to the largest (or the drafter's trained depth)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--min-groups", type=int, default=3,
                    help="time at least this many groups per batch size, decoding the prompts again if needed (default 3)")
     p.add_argument("--adaptive-groups", type=int, default=0,
-                   help="then this many more groups per batch size of the adaptive policy against plain decoding alone (default 0)")
+                   help="then this many more groups per batch size of the adaptive rule against plain decoding alone (default 0)")
     p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 prompts x 8 tokens, batch sizes 1,2, nothing appended")
     args = p.parse_args(argv)
@@ -180,15 +174,20 @@ def tables(results: dict, batch_sizes: list[int], adaptive_groups: int = 0) -> s
     note = ("\nEvery configuration decoded the same groups of prompts, each group by plain decoding and by every "
             "configuration in lockstep, one step of each in turn (orders balanced for what ran just before: each "
             f"configuration stepped right after each other equally often over every {cycle} groups); brackets: 90 % bootstrap interval over the groups.\n")
+    if adaptive and results[adaptive].get("draft_length_rule"):
+        rule = results[adaptive]["draft_length_rule"]
+        note += ("The adaptive rule's calibrated cost per token of a step drafting k over a plain step's (k = 1, 2, ...): "
+                 + "; ".join(f"B={b} " + " ".join(f"{c:.3f}" for c in costs[1:]) for b, costs in rule["cost"].items())
+                 + f"; a draft must be predicted to gain more than {rule['margin']:.0%}.\n")
     if adaptive and adaptive_groups:
-        note += (f"The adaptive policy also decoded {adaptive_groups} more groups at each batch size against plain decoding "
+        note += (f"The adaptive rule also decoded {adaptive_groups} more groups at each batch size against plain decoding "
                  "alone (in lockstep, the order alternating), pooled into its row: its tokens/s, plain tok/s, speedup, "
                  "interval and greedy match count them; its margin over the best fixed k is paired on the groups both decoded.\n")
     return "\n".join(lines) + "\n\nSpeedup over plain batched decoding:\n\n" + "\n".join(grid) + "\n" + note + summary
 
 
 def _verdict(b: int, e: dict) -> str:
-    """One batch size's speedup to 3 decimals with its interval, and whether the policy drafted
+    """One batch size's speedup to 3 decimals with its interval, and whether the rule drafted
     there at all (if not, it ran plain decoding's steps, and what separates the two is the
     decoder's own work and the machine's noise)."""
     lo, hi = _interval(e)

@@ -1,42 +1,32 @@
 """Speedup by batch size: ``draftlab eval --batch-sizes 1,2,4,8,16`` (and ``eval.batch_sizes`` in a
 recipe).
 
-For each batch size B the prompts are decoded in consecutive groups of B, plain and
-speculative in lockstep on the same group (one step of each in turn,
-:func:`~draftlab.inference.decoder.run_lockstep`, in a crossover order, :func:`crossover_orders`), with the
-batched decoder (:mod:`draftlab.inference.decoder`) for both; :func:`compare_batches` measures
-several speculative configurations against one plain baseline that way (bench/batch.py). Per
-batch size: plain and speculative tokens/s (all rows' tokens over the groups' decoding time: the
-prefill, the same forward in both, is left out and reported apart; each prompt's is computed
-once and reused, :class:`~draftlab.inference.decoder.PromptCache`, so the prefill seconds
-reported are the copy and the drafter's pass over the prompts), speedup with a bootstrap
-interval over the groups, tau and alpha_j,
-the split of the speculative time into prefill, draft, verify and the rest, and two greedy
-checks: each row against plain batched decoding of the same group (must match: decoding is
-lossless), and plain batched decoding against the same prompt decoded alone (may differ on
-float near-ties, and is counted, not hidden).
+For each batch size B the prompts are decoded in consecutive groups of B, plainly and by each
+speculative configuration in lockstep on the same group (one step of each in turn,
+:func:`~draftlab.inference.decoder.run_lockstep`, in the orders of :func:`crossover_orders`), so
+every speedup is over the same plain decoding under the same machine state. Per batch size:
+tokens/s of both (the decode phase: each prompt's prefill is computed once and reused,
+:class:`~draftlab.inference.prefill.PromptCache`, and reported apart), speedup with a bootstrap
+interval over the groups, tau and alpha_j, where the time went, and two greedy checks: each row
+against plain batched decoding of the same group (must match: decoding is lossless), and plain
+batched decoding against the prompt decoded alone (may differ on float near-ties; counted).
 
-``adaptive``: the draft length is chosen per step by
-:class:`~draftlab.inference.adaptive.AdaptiveDraftLength`, up to the shape's k or the positions
-the drafter was trained to draft, whichever is fewer (:attr:`Speculation.depth`), with the verify
-cost measured once at start-up for these batch sizes; one policy runs through all batch sizes,
-in the order given, as in a server whose load changes.
+``adaptive``: each step's draft length comes from a
+:class:`~draftlab.inference.draft_length.DraftLength` rule, up to the shape's k or the positions
+the drafter was trained to draft, whichever is fewer, calibrated at start-up (:func:`calibrate`);
+one rule serves all batch sizes in the order given, as in a server whose load changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.adaptive import AdaptiveDraftLength, VerifyCost
-from draftlab.inference.decoder import (
-    BatchedSpeculativeDecoder,
-    PromptCache,
-    generate_plain_batch,
-    plain_batch_steps,
-    run_lockstep,
-)
+from draftlab.inference.decoder import Decoder, run_lockstep
+from draftlab.inference.draft_length import DraftLength, step_cost
 from draftlab.inference.metrics import AcceptanceStats
+from draftlab.inference.prefill import PromptCache
 from draftlab.inference.proposer import Block, Chain
 
 
@@ -58,8 +48,7 @@ def check_batch_sizes(sizes, field: str) -> None:
 @dataclass
 class Speculation:
     """One speculative configuration to measure against plain decoding: a proposer, the shape
-    it drafts and whether the adaptive policy chooses the draft length per step (up to the
-    shape's k)."""
+    it drafts and whether a :class:`DraftLength` rule chooses each step's k (up to the shape's)."""
 
     proposer: object
     shape: object
@@ -67,12 +56,43 @@ class Speculation:
 
     @property
     def depth(self) -> int:
-        """The most the adaptive policy drafts: the shape's k, or fewer where the proposer was
-        trained to draft fewer chained positions (``Proposer.trained_depth``): at batch 1 on
-        the AMD EPYC the policy spent ~60 of its first 100 steps learning that the main job's
-        drafter, trained for one, accepts 0.08 at position 2 (each step ~12 % below drafting one)."""
+        """The most the rule drafts: the shape's k, or fewer where the proposer was trained to
+        draft fewer chained positions (``Proposer.trained_depth``): beyond those it accepts
+        little, and calibrating them costs start-up time."""
         trained = getattr(self.proposer, "trained_depth", None)
         return min(self.shape.k, trained) if trained else self.shape.k
+
+
+def calibrate(target, spec: Speculation, prompt_ids, batch_sizes, seed: int = 0, rounds: int = 2,
+              backend: str = "auto", **opts) -> DraftLength:
+    """A :class:`DraftLength` rule for ``spec``: at each batch size B, ``rounds`` groups of B
+    prompts decoded plainly and at every fixed k up to ``spec.depth`` in lockstep (orders
+    reversed from round to round), and each k's cost per token over plain decoding's taken from
+    what the group measured. The acceptance the rule starts from is what these decodings saw."""
+    ks = range(1, spec.depth + 1)
+    # a decoder of one row drafts with its proposer itself: each decoding in lockstep needs its own
+    plain, drafting = Decoder(target), {k: Decoder(target, spec.proposer.fork(), backend) for k in ks}
+    shapes = {k: dataclasses.replace(spec.shape, k=k) for k in ks}
+    rule = DraftLength({B: [1.0] * (spec.depth + 1) for B in batch_sizes})
+    for B in batch_sizes:
+        sums = {k: [0, 0.0, AcceptanceStats()] for k in (0, *ks)}  # tokens, decoding seconds, acceptance
+        for r in range(rounds):
+            start = (r * B) % len(prompt_ids)
+            group = prompt_ids[start : start + B]
+            order = [0, *ks][:: 1 if r % 2 == 0 else -1]
+            done = run_lockstep([plain.steps(group, shape=None, seed=seed, **opts) if k == 0 else
+                                 drafting[k].steps(group, shape=shapes[k], seed=seed, **opts) for k in order])
+            for k, res in zip(order, done):
+                sums[k][0] += res.num_tokens
+                sums[k][1] += res.total_time - res.prefill_time
+                for row in res.rows:
+                    sums[k][2].merge(row.stats())
+                    if k:
+                        for d, n in zip(row.num_drafted, row.accept_lengths):
+                            rule.observe([d], [n])
+        (T0, t0, _) = sums[0]
+        rule.cost[B] = [1.0] + [step_cost(sums[k][2].tau, sums[k][0], sums[k][1], T0, t0) for k in ks]
+    return rule
 
 
 def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_tokens: int = 128,
@@ -91,25 +111,21 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
                     eos_token_id=None, backend: str = "auto", progress=None, min_groups: int = 1,
                     adaptive_groups: int = 0) -> dict[str, dict]:
     """A ``batches`` section per speculative configuration (label -> section), all against one
-    plain baseline: each group of B prompts is decoded by plain decoding and by every
-    configuration in lockstep (one step of each in turn), in the orders of :func:`crossover_orders`
-    from group to group, so the configurations are compared on the same groups under the same
-    machine state, step by step. ``min_groups``: decode the
-    prompts again (same groups) until each batch size has timed at least that many groups:
-    large batch sizes have few groups, and one timing is one sample of the machine's noise.
-    ``adaptive_groups``: then, at each batch size, this many more groups (the prompts' groups in
-    turn) decoded by plain decoding and the adaptive configurations alone, in lockstep, and
-    pooled into those configurations' entries after the groups every configuration decoded.
-    Why: where the policy decodes about as plain decoding does, its verdict against it rests on
-    the noise of a forward's time (one forward repeated at batch 16 on the AMD EPYC varied by
-    9-11 % from one run to the next), so it needs more steps than the other configurations."""
+    plain baseline: each group of B prompts decoded plainly and by every configuration in
+    lockstep. ``min_groups``: decode the prompts again (same groups) until each batch size has
+    timed at least that many groups, since one timing is one sample of the machine's noise.
+    ``adaptive_groups``: then, at each batch size, this many more groups decoded plainly and by
+    the adaptive configurations alone, pooled into their entries: where a rule decodes about as
+    plain decoding does, its verdict against it needs more steps than the grid gives."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
     check_batch_sizes(list(batch_sizes), "batch sizes")
     for spec in speculations.values():
         if spec.adaptive and not isinstance(spec.shape, (Chain, Block)):
             raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {spec.shape.method}")
-    decoders = {label: BatchedSpeculativeDecoder(target, s.proposer, backend=backend) for label, s in speculations.items()}
+    plain = Decoder(target)
+    # configurations may share a proposer, and a decoder of one row drafts with it itself: a fork each
+    decoders = {label: Decoder(target, s.proposer.fork(), backend=backend) for label, s in speculations.items()}
     # every prompt is decoded once per configuration and batch size: its prefill once
     opts = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 eos_token_id=eos_token_id, prompt_cache=PromptCache(target))
@@ -118,14 +134,12 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
     # warm-up, untimed: allocator, GEMM choice for each row count, drafter copies
     warm = dict(opts, max_new_tokens=min(max_new_tokens, 8))
     for B in batch_sizes:
-        generate_plain_batch(target, ids[:B], seed=seed, **warm)
+        plain.generate(ids[:B], shape=None, seed=seed, **warm)
         for label, s in speculations.items():
             decoders[label].generate(ids[:B], shape=s.shape, seed=seed, **warm)
-    adaptive = [s for s in speculations.values() if s.adaptive]
-    cost = VerifyCost.measure(target, batch_sizes, max(s.depth for s in adaptive)) if adaptive else None
-    # one policy per configuration for the whole run: what it learnt of acceptance and drafting
-    # cost at one batch size holds at the next (the verify cost it keeps per batch size)
-    policies = {label: AdaptiveDraftLength(cost, s.depth) if s.adaptive else None for label, s in speculations.items()}
+    rules = {label: calibrate(target, s, ids, batch_sizes, seed, backend=backend, **opts) if s.adaptive else None
+             for label, s in speculations.items()}
+    calibrated = {label: rule.to_dict() for label, rule in rules.items() if rule is not None}
     entries: dict[str, list[_Entry]] = {label: [] for label in speculations}
     plain_outputs: dict[int, list[list[int]]] = {}
     every = [None, *speculations]  # None: plain decoding
@@ -143,8 +157,9 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
             orders = crossover_orders(len(labels))
             order = [labels[i] for i in orders[g % len(orders)]]
             done = dict(zip(order, run_lockstep([
-                plain_batch_steps(target, group, seed=seed + start, **opts) if label is None else
-                decoders[label].steps(group, shape=speculations[label].shape, seed=seed + start, policy=policies[label], **opts)
+                plain.steps(group, shape=None, seed=seed + start, **opts) if label is None else
+                decoders[label].steps(group, shape=speculations[label].shape, seed=seed + start,
+                                      draft_length=rules[label], **opts)
                 for label in order
             ])))
             if labels is every:
@@ -155,14 +170,13 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
             if progress is not None:
                 progress(B, done_rows, rows)
         for label, e in run.items():
-            if policies[label] is not None:
-                e.alpha_estimate = policies[label].alpha()
-                e.alpha_by_context = policies[label].alpha_by_context()
+            if rules[label] is not None:
+                e.alpha_estimate = rules[label].alpha()
             entries[label].append(e)
     if greedy and max(batch_sizes) > 1:
         # each prompt decoded alone: batch size 1's plain outputs when measured, else decoded now
         alone = plain_outputs[1][: len(ids)] if 1 in plain_outputs else \
-            [generate_plain_batch(target, [i], seed=seed, **opts).rows[0].tokens for i in ids]
+            [plain.generate([i], shape=None, seed=seed, **opts).rows[0].tokens for i in ids]
         for B, outputs in plain_outputs.items():
             if B > 1:  # repeated passes decode the prompts in the same order
                 same = sum(a == b for a, b in zip(alone * (len(outputs) // len(ids)), outputs))
@@ -170,7 +184,7 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
                     entries[label][batch_sizes.index(B)].alone_same = (same, len(outputs))
     return {
         label: {"adaptive": s.adaptive, "adaptive_max_k": s.depth if s.adaptive else None,
-                "verify_cost_s": cost.to_dict() if s.adaptive else None,
+                "draft_length_rule": calibrated.get(label),
                 "entries": [e.to_dict() for e in entries[label]]}
         for label, s in speculations.items()
     }
@@ -180,9 +194,8 @@ def crossover_orders(n: int) -> list[list[int]]:
     """Orders of n configurations, one per group in turn, balanced for what ran just before
     (a Williams design): over the orders each configuration runs once at every position and right
     after every other configuration equally often (n orders for even n, 2n for odd). Why: a
-    decoding can be slowed by the one before it (at batch 16 on the AMD EPYC plain decoding ran
-    0.9 % +- 1.1 % slower right after fixed k = 3 than after plain), and with the orders rotated
-    the adaptive policy always ran right after k = 3 and plain decoding after the adaptive one."""
+    decoding can be slowed by the one before it, and merely rotated orders put each
+    configuration after the same one every time."""
     first = [0]
     for j in range(1, n):  # 0, 1, n-1, 2, n-2, ...
         first.append((j + 1) // 2 if j % 2 else n - j // 2)
@@ -197,8 +210,7 @@ class _Entry:
         self.split = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
         self.matched = self.compared = 0
         self.asked: list[int] = []
-        self.alpha_estimate: list[float] | None = None  # the adaptive policy's, after this batch size
-        self.alpha_by_context: dict | None = None  # likewise, per context of the row's last draft
+        self.alpha_estimate: list[float] | None = None  # the draft-length rule's, after this batch size
         self.alone_same: tuple[int, int] | None = None  # plain batched rows equal to the prompt decoded alone, of rows
         self.groups: list[tuple[int, float, int, float]] = []  # per group: tokens, seconds; plain's
 
@@ -240,7 +252,6 @@ class _Entry:
             counts = {k: self.asked.count(k) for k in sorted(set(self.asked))}
             out["draft_lengths"] = {str(k): n for k, n in counts.items()}
             out["alpha_estimate"] = self.alpha_estimate
-            out["alpha_by_context"] = self.alpha_by_context
         return out
 
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from draftlab.inference.decoder import BatchedSpeculativeDecoder, generate_plain, generate_plain_batch
+from draftlab.inference.decoder import Decoder, generate_plain, generate_plain_batch
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.proposer import Block, Chain, DynamicTree, load_proposer
 from draftlab.kernels import triton_verify
@@ -60,7 +60,7 @@ def test_every_family_decodes_batches_on_cuda(tiny_llama, cuda_llama, prompts, a
     proposer = _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "ckpt")
     plain = [r.tokens for r in generate_plain_batch(cuda_llama, prompts, N_NEW).rows]
     calls = _count_kernel_calls(monkeypatch)
-    res = BatchedSpeculativeDecoder(cuda_llama, proposer).generate(prompts, N_NEW, shape)
+    res = Decoder(cuda_llama, proposer).generate(prompts, N_NEW, shape)
     assert [r.tokens for r in res.rows] == plain
     assert sum(calls.values()) >= res.num_steps > 0, calls  # every drafting step verified by a kernel
     # batched arithmetic may round differently from a batch of one: said, not hidden
@@ -74,7 +74,7 @@ def test_batched_sampling_on_cuda_preserves_each_rows_distribution(tiny_llama, c
     verified by the Triton sampling kernel, and the test has power (a skewed joint is rejected)."""
     ps = prompts[:2]
     temperature, top_k, n = 1.0, 3, 400
-    dec = BatchedSpeculativeDecoder(cuda_llama, _proposer("eagle3", tiny_llama, cuda_llama, tmp_path / "ckpt"))
+    dec = Decoder(cuda_llama, _proposer("eagle3", tiny_llama, cuda_llama, tmp_path / "ckpt"))
     calls = _count_kernel_calls(monkeypatch)
     counts = [Counter(), Counter()]
     for s in range(n):
