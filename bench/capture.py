@@ -30,7 +30,8 @@ FLOPs per token counted (decoder layers only, the useful work of a capture):
 Not counted: embedding lookup, norms, RoPE, softmax, SiLU and the lm_head (HF computes it,
 capture does not; counting the same work for both keeps their "% of peak" comparable).
 A closing profiler pass shows where capture's time goes (matmul / attention / the rest).
-The command and the table are appended to BENCHMARKS.md at the repo root.
+The command and the table rewrite BENCHMARKS.md's "Hidden-state capture throughput" section
+(the section it replaces moves to bench/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd capture")
     p.add_argument("--no-hf", action="store_true", help="skip the HF model() comparison")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler breakdown")
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
     args = p.parse_args(argv)
 
     from draftlab.data.dataset import DataSpec, build_samples

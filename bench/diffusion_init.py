@@ -13,8 +13,9 @@ loss and anchors), seeded identically. Initialisations:
 - ``target_layers+context``: the same, and fc / hidden_norm passing the fused feature of that
   layer's input through unchanged (``DiffusionDrafter.init_from_target``, the recipe default).
 
-Printed and appended to BENCHMARKS.md (unless ``--no-append``): the per-block loss and the mean
-slot accuracies (first slot, all slots) over windows of steps.
+Printed and, unless ``--no-append``, written over this benchmark's section of BENCHMARKS.md (the
+section it replaces moves to bench/HISTORY.md): the per-block loss and the mean slot accuracies
+(first slot, all slots) over windows of steps.
 """
 
 from __future__ import annotations

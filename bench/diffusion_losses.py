@@ -15,7 +15,8 @@
    of alpha_j for j >= 3 to that of ``ce`` (the question: does streak-distillation lift the
    later positions?). One PNG of alpha_j by position, one curve per loss.
 
-The table and PNG path are appended to BENCHMARKS.md unless ``--no-append``.
+Unless ``--no-append``, the table and PNG path rewrite this benchmark's section of BENCHMARKS.md
+(the section it replaces moves to bench/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ every barrier for descheduled peers, and multi-threaded forwards get several tim
 (and noisier) than single-threaded ones. Runtime: roughly (3 + 2 x speculative rows) plain
 generations per prompt, plus the tree row's slower steps.
 
-The command, the tables and the machine load are appended to BENCHMARKS.md (not with --quick
-or --no-append). The machine is shared: compare ratios, not absolute rates.
+The command, the tables and the machine load rewrite this benchmark's section of BENCHMARKS.md
+(not with --quick or --no-append; the section it replaces moves to bench/HISTORY.md). The
+machine is shared: compare ratios, not absolute rates.
 """
 
 from __future__ import annotations
@@ -452,8 +453,8 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=20, help="timed calls per engine measurement (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="also write every measured number to this JSON file")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, 5 reps, nothing appended")
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, 5 reps, BENCHMARKS.md untouched")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.reps = min(args.num_prompts, 2), min(args.max_new_tokens, 16), min(args.reps, 5)

@@ -28,10 +28,11 @@ runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
      ``--static-tree``, else none.
 
 Output: one Markdown table (rows: run x prompt set x shape), the acceptance-curve points, and,
-unless ``--no-append`` or ``--quick``, a section appended to BENCHMARKS.md with the command, the
-tables, the machine load and the PNG's path (default bench/figures/families-<UTC time>.png when
-appending; otherwise a PNG only with ``--plot``). ``--quick``: 2 prompts x 16 tokens, nothing
-appended. On a machine whose load exceeds its cores, run with ``--threads 1`` (bench/e2e.py).
+unless ``--no-append`` or ``--quick``, this benchmark's section of BENCHMARKS.md rewritten with the
+command, the tables, the machine load and the PNG's path (the section it replaces moves to
+bench/HISTORY.md; PNG default bench/figures/families-<UTC time>.png then, otherwise a PNG only
+with ``--plot``). ``--quick``: 2 prompts x 16 tokens, BENCHMARKS.md untouched. On a machine
+whose load exceeds its cores, run with ``--threads 1`` (bench/e2e.py).
 """
 
 from __future__ import annotations
@@ -319,9 +320,9 @@ def parse_args(argv):
     p.add_argument("--static-tree", default=DEFAULT_STATIC_TREE,
                    help="tree row of families without a dynamic tree: JSON paths of candidate ranks, or a .json file holding them")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--plot", default=None, help="PNG of alpha_1 vs training minutes (default when appending: bench/figures/families-<time>.png)")
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, nothing appended")
+    p.add_argument("--plot", default=None, help="PNG of alpha_1 vs training minutes (default when writing BENCHMARKS.md: bench/figures/families-<time>.png)")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, BENCHMARKS.md untouched")
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 2), min(args.max_new_tokens, 16)

@@ -11,7 +11,8 @@ seed for both backends, whose outputs must be equal; the time is the median of `
 calls after 3 warm-ups. Chains: B rows of k drafts, draft probabilities when sampling (EAGLE's
 case). Trees: B trees of 1 + 2k nodes (two candidates at each of k levels, the second under
 the first). Needs a CUDA device: on CPU the decoder never runs Triton (only its interpreter,
-for the tests). Unless ``--no-append``, a section appended to BENCHMARKS.md.
+for the tests). Unless ``--no-append``, the results rewrite this benchmark's section of
+BENCHMARKS.md (the section it replaces moves to bench/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def parse_args(argv):
     p.add_argument("--ks", default="3,7")
     p.add_argument("--vocabs", default="49152,128256")
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
     args = p.parse_args(argv)
     args.batch_sizes = parse_batch_sizes(args.batch_sizes)
     args.ks = parse_batch_sizes(args.ks, "--ks")

@@ -37,9 +37,10 @@ so this script builds the candidates from the former and measures the latter:
 
 Output: the accuracy table, the Markdown results table and the best tree by measured speedup
 (ties at the printed precision: the smaller tree), with its choices as JSON; unless
-``--no-append`` or ``--quick``, a section appended to BENCHMARKS.md with the command, the tables,
-the chosen choices and the machine load. ``--quick``: 2 prompts x 16 tokens, sizes 1,2,4 (unless
-``--sizes`` is given), nothing appended. On a machine whose load exceeds its cores, run with
+``--no-append`` or ``--quick``, this benchmark's section of BENCHMARKS.md rewritten with the command,
+the tables, the chosen choices and the machine load (the section it replaces moves to
+bench/HISTORY.md). ``--quick``: 2 prompts x 16 tokens, sizes 1,2,4 (unless ``--sizes`` is given),
+BENCHMARKS.md untouched. On a machine whose load exceeds its cores, run with
 ``--threads 1`` (bench/e2e.py). Runtime: (number of distinct trees + 1) evaluations, each of
 ``--num-prompts`` plain and speculative generations of ``--max-new-tokens`` tokens, plus one
 target forward over the held-out samples.
@@ -306,8 +307,8 @@ def parse_args(argv):
     p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts per evaluation")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, sizes 1,2,4, nothing appended")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, sizes 1,2,4, BENCHMARKS.md untouched")
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)

@@ -50,7 +50,7 @@ def run_rows(run: Path) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run directories (a recipe's output_dir)")
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
     args = p.parse_args(argv)
     rows = [r for run in args.runs for r in run_rows(Path(run))]
     lines = [

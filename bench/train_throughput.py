@@ -42,7 +42,8 @@ steps, H hidden, A = 3 aux layers, h/h_kv heads of size D, I = MLP width, Vd = d
 (norms, RoPE, softmax, the loss, the optimizer and the no-grad target lm_head are not counted,
 nor the masked half of the dense T x T attention both systems compute at TTT steps >= 1.)
 share of peak = FLOPs/token x median tokens/s / median fp32 matmul peak of the rounds.
-The command, the configuration and the table are appended to BENCHMARKS.md (not with --quick).
+The command, the configuration and the table rewrite this benchmark's section of BENCHMARKS.md
+(not with --quick or --no-append; the section it replaces moves to bench/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--speculators-lm-head", default="frozen", choices=("frozen", "trained"),
                    help="speculators freezes its lm_head by default; 'trained' matches draftlab's work")
     p.add_argument("--profile", action="store_true", help="after timing, profile one draftlab step (top ops by self CPU)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 timed steps, 1 s peak, nothing appended")
-    p.add_argument("--no-append", action="store_true", help="print only, do not append to BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 timed steps, 1 s peak, BENCHMARKS.md untouched")
+    p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.peak_seconds = min(args.steps, 2), 1.0

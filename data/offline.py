@@ -33,8 +33,8 @@ FORMAT = "draftlab-capture"
 FORMAT_VERSION = 2  # 2: no top-k log-prob tensors, no logits/topk manifest fields
 MANIFEST = "manifest.json"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Padded tokens per forward. On the 2-core benchmark machine 1-2 sequences of 512 tokens are
-# fastest (bench/capture.py); larger batches only add memory traffic on CPU.
+# Padded tokens per forward: on CPU larger batches only add memory traffic
+# (BENCHMARKS.md, "Hidden-state capture throughput").
 DEFAULT_BATCH_TOKENS = 1024
 DEFAULT_SHARD_BYTES = 256 << 20  # default shard_tokens = this / bytes per token
 

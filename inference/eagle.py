@@ -24,7 +24,7 @@ class EagleProposer(Proposer):
 
     def __init__(self, drafter):
         # A frozen copy whose linears run the few-row products of decoding on the CPU's faster GEMM
-        # (models/cpu_gemm.py; on the AMD EPYC a 2-token drafter step went from 8.9 to 4.1 ms).
+        # (models/cpu_gemm.py).
         self.drafter = decoding_copy(drafter.eval())
         self.name = drafter.algorithm
         self.layers = tuple(drafter.capture_layers)
@@ -197,8 +197,8 @@ class EagleProposer(Proposer):
 
 class EagleChains(RowProposers):
     """The EAGLE chain of every row of a batch, drafted together: one drafter forward per draft
-    position for all rows, instead of one per row (on the AMD EPYC a drafter forward of 16 rows
-    costs little more than one of a single row).
+    position for all rows, instead of one per row (a forward is bound by streaming the weights,
+    so many rows cost little more than one).
 
     The rows share one drafter cache whose slots are aligned: an ``advance`` in which rows kept
     different numbers of tokens appends as many slots as the longest, and each row's unused
@@ -228,9 +228,9 @@ class EagleChains(RowProposers):
 
     @torch.no_grad()
     def _start_rows(self, rows: list[tuple[torch.Tensor, dict]]) -> None:
-        """Each prompt through the drafter alone (padding prompts of 33 and 2,544 tokens to one
-        forward made the start of a 16-row batch cost more than its decoding), then laid into
-        the shared cache at slots 0..n_b, the rest masked."""
+        """Each prompt through the drafter alone (padding prompts of very different lengths to one
+        forward wastes most of it on padding), then laid into the shared cache at slots 0..n_b,
+        the rest masked."""
         d = self.drafter
         caches, width = [], max(t.numel() for t, _ in rows)
         for r, (tokens, hidden) in enumerate(rows):
@@ -315,9 +315,8 @@ class EagleChains(RowProposers):
 
     def select(self, rows: list[int]) -> None:
         """Keep the rows at ``rows``. The rows that left stay in the drafter's cache, drafted
-        along and never read, until half of it has left, as in the target's cache. Why: copying
-        the cache at each row's end cost 13-16 ms a row at batch 16 with a 2,544-token prompt on
-        the Zen 4 EPYC (44 ms in all for a group of 16 rows at fixed k = 1)."""
+        along and never read, until half of it has left, as in the target's cache: copying the
+        whole cache at every row's end costs more than drafting the finished rows along."""
         self.live = [self.live[r] for r in rows]
         if len(self.live) > self.n // 2:
             return

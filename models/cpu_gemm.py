@@ -2,25 +2,13 @@
 machine runs fastest.
 
 A decode step multiplies a few rows (1 token, a chain, a tree) by every weight, so it is bound
-by streaming the weights, and how fast that goes depends on the library, the CPU and the row
-count itself. Over the default target's weights (30 layers + lm_head, 2 threads), relative to
-MKL's 1-row GEMM:
-
-| rows | Intel Xeon: MKL / oneDNN-packed | AMD EPYC (AVX2): MKL / oneDNN-packed | AMD EPYC (Zen 4, AVX-512): MKL / oneDNN-packed |
-|---|---|---|---|
-| 1 | 1.00 / - | 1.00 / 0.70 | 1.00 / 0.52 |
-| 2 | 1.06 / - | 1.77 / 0.81 | 1.63 / 0.57 |
-| 3 | 1.15 / - | 2.62 / 0.76 | 2.03 / 0.50 |
-| 4 | 1.8 / 1.27 | 1.90 / 0.88 | 1.33 / 0.49 |
-| 6 | - | - | - / 0.44 |
-| 8 | - / 1.56 | 2.50 / 1.18 | 1.19 / 0.50 |
-
-So 4..PACKED_MAX_ROWS rows take oneDNN on packed weights and 1..MKL_CANDIDATE_ROWS rows whichever
-path measured faster for the weights at hand, and a row count that runs slower than a larger
-one up to PAD_CANDIDATE_ROWS is run as that one, zero rows appended (on the Zen 4 two rows cost
-more than three to six: a whole 2-row forward of the default target at a 500-token context took
-43.5 ms, padded to 6 rows 38.3); all of it measured once per set of weights (:func:`measure_row_plan`). Larger batches
-(prefill, capture, training) take MKL, which is as fast there and needs no second copy.
+by streaming the weights, and which library is fastest, and even whether more rows cost more,
+differs from CPU to CPU. So 4..PACKED_MAX_ROWS rows take oneDNN on packed weights,
+1..MKL_CANDIDATE_ROWS rows whichever path measured faster for the weights at hand, and a row
+count that runs slower than a larger one up to PAD_CANDIDATE_ROWS is run as that one, zero rows
+appended; all of it measured once per set of weights (:func:`measure_row_plan`). Larger batches
+(prefill, capture, training) take MKL, which is as fast there and needs no second copy. The plan
+a decoding run used is in its notes (BENCHMARKS.md, "Speedup by batch size").
 """
 
 from __future__ import annotations
@@ -104,7 +92,7 @@ def plan_from_times(seconds: dict[tuple[str, int], float], min_gain: float = 0.0
 def measure_row_plan(paths: list[tuple[Callable, Callable, int]], reps: int = 3) -> RowPlan:
     """Time MKL for 1..MKL_CANDIDATE_ROWS rows and the packed weights for 1..PAD_CANDIDATE_ROWS
     over all of ``paths`` ((MKL function, packed function, input width) per weight), interleaved,
-    best of ``reps`` after one warm-up round (2-3 s for the default target's 135M weights), and
+    best of ``reps`` after one warm-up round (a few seconds for the default target), and
     plan from that (:func:`plan_from_times`)."""
     runs = [("mkl", r) for r in range(1, MKL_CANDIDATE_ROWS + 1)] + [("packed", r) for r in range(1, PAD_CANDIDATE_ROWS + 1)]
     x = {(r, n): torch.randn(r, n) for _, r in runs for n in {n for _, _, n in paths}}

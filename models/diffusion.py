@@ -161,9 +161,8 @@ class DiffusionDrafter(Drafter):
         decoder layer L - n + i (attention, MLP, norms), and the context path passes the fused
         feature nearest to that layer's input through unchanged (fc selects it, undoing the
         input scale; hidden_norm takes that layer's input_layernorm gain), so the copied
-        attention sees the keys and values it was trained on. On SmolLM2, 72 steps from the same
-        features: a loss per block of 25.6 against 27.3 with random fc and 28.8 with random
-        layers (bench/diffusion_init.py in BENCHMARKS.md)."""
+        attention sees the keys and values it was trained on, and training starts from a lower
+        loss (BENCHMARKS.md, "Diffusion drafter: initialisation")."""
         L, n, H = self.num_target_layers, len(self.layers), self.shape.hidden_size
         for i, layer in enumerate(self.layers):
             src = target.decoder_layer_state(L - n + i)

@@ -186,8 +186,7 @@ class Eagle3Drafter(EagleBase):
     @classmethod
     def trained_depth(cls, loss: dict) -> int | None:
         """The training-time-test unroll, ``ttt_steps``: with no feature loss, a draft past it
-        reads drafter outputs that no step trained it to read (the main job's drafter, one step:
-        acceptance 0.34 at position 1, 0.08 at position 2 after it, batch 1 on the AMD EPYC)."""
+        reads drafter outputs that no step trained it to read, so acceptance falls off past it."""
         steps = loss.get("ttt_steps")
         return steps if isinstance(steps, int) and steps >= 1 else None
 
