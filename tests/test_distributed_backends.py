@@ -77,13 +77,13 @@ def test_backend_shards_trains_like_ddp_and_resumes_exactly(tmp_path, tiny_targe
     for k, v in drafter.state_dict().items():
         if k in weights:
             assert torch.equal(v, weights[k]), k
-    # Same data, same math as DDP; only the reduction order differs (ZeRO-3 measured 6e-7 here).
+    # Same data, same math as DDP; only the reduction order differs, hence a tolerance.
     ddp = final_weights(ddp_reference)
     assert weights.keys() == ddp.keys()
     for k in ddp:
         torch.testing.assert_close(weights[k], ddp[k], rtol=0, atol=1e-5, msg=k)
 
-    res = run_train([recipes[1]], env={"DRAFTLAB_FAULT_KILL_AFTER_STEP": "2"}, launcher=accelerate_launch(config, port + 1))
+    res = run_train([recipes[1]], launcher=accelerate_launch(config, port + 1), kill_after=2)
     assert res.returncode != 0
     assert [p.name for p in ckpt.list_checkpoints(killed_dir / "run")] == ["step-0000002"]
     res = run_train([recipes[1]], launcher=accelerate_launch(config, port + 2))

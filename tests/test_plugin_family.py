@@ -161,9 +161,11 @@ def _recipe(tmp_path: Path, target_dir, name: str) -> Path:
     return path
 
 
-def _train(recipe: Path, env=None):
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, __file__, str(recipe)], capture_output=True, text=True, env=e, timeout=300, cwd=REPO)
+def _train(recipe: Path, kill_after=None):
+    """This file as the training script; ``kill_after=N``: SIGKILLed right after the step-N checkpoint."""
+    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
+    e = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *killer, __file__, str(recipe)], capture_output=True, text=True, env=e, timeout=300, cwd=REPO)
 
 
 def test_a_family_defined_in_one_file_trains_resumes_decodes_and_exports(tmp_path, tiny_target_dirs, tiny_llama):
@@ -182,7 +184,7 @@ def test_a_family_defined_in_one_file_trains_resumes_decodes_and_exports(tmp_pat
     killed = _recipe(tmp_path, target_dir, "killed")
     res = _train(straight)
     assert res.returncode == 0, res.stderr[-2000:]
-    res = _train(killed, {"DRAFTLAB_FAULT_KILL_AFTER_STEP": "4"})
+    res = _train(killed, kill_after=4)
     assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000004"
     res = _train(killed)
     assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]

@@ -52,8 +52,11 @@ def write_recipe(tmp_path, target_dir, chat_file, algorithm="eagle3", **sections
     return path
 
 
-def run_train(args, env=None, launcher=None, timeout=300):
-    cmd = (launcher or [sys.executable]) + [str(REPO / "train" / "eagle.py"), *map(str, args)]
+def run_train(args, env=None, launcher=None, timeout=300, kill_after=None):
+    """``train/eagle.py ARGS`` under ``launcher``; ``kill_after=N``: every process SIGKILLs itself
+    right after the step-N checkpoint (tests/kill_after_checkpoint.py installs the trainer hook)."""
+    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
+    cmd = (launcher or [sys.executable]) + killer + [str(REPO / "train" / "eagle.py"), *map(str, args)]
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout, cwd=REPO)
 
@@ -121,7 +124,7 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, tiny_target_dirs, cha
     # a micro-batch holds at most batch_tokens (384) tokens: more per step means accumulation
     per_step = sum(r["tokens"] for r in steps) / len(steps)
     assert (per_step > 384) == (grad_accum > 1), per_step
-    res = run_train([killed], env={"DRAFTLAB_FAULT_KILL_AFTER_STEP": "4"})
+    res = run_train([killed], kill_after=4)
     assert res.returncode == -9  # SIGKILL right after the step-4 checkpoint
     assert not (killed_dir / "run" / "checkpoints" / "step-0000006").exists()
     res = run_train([killed])
@@ -135,6 +138,21 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, tiny_target_dirs, cha
     # keep_last=2: older checkpoints were pruned
     kept = sorted(p.name for p in (killed_dir / "run" / "checkpoints").glob("step-*"))
     assert kept == ["step-0000004", "step-0000006"]
+
+
+def test_time_limit_stops_with_a_checkpoint_and_a_relaunch_completes(tmp_path, tiny_target_dirs, chat_file):
+    """Out of time before the last step: checkpoint, ask for a relaunch. Out of time on the last
+    step: the run is complete and says so, with no relaunch to ask for."""
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 2, "time_limit_minutes": 1e-6})
+    res = run_train([path])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "stopped at step 1/2" in res.stdout and "relaunch the same command to continue" in res.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-0000001"]
+    res = run_train([path])  # resumes past the limit already: step 2 runs, then time is up on the last step
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stdout and "training complete: step 2/2" in res.stdout
+    assert "relaunch" not in res.stdout and "stopped at step" not in res.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-0000001", "step-0000002"]
 
 
 # ---------------------------------------------------------------- DDP, two gloo processes

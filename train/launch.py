@@ -25,7 +25,9 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     from draftlab.models.target import Target
     from draftlab.recipe import load_recipe
     from draftlab.train.evaluation import CheckpointEvaluator
-    from draftlab.train.trainer import Trainer, make_accelerator, seed_everything
+    from draftlab.train.backends import make_accelerator
+    from draftlab.train.rng import seed_everything
+    from draftlab.train.trainer import Trainer
 
     recipe = load_recipe(path, overrides)
     if algorithms and recipe.algorithm not in algorithms:
@@ -92,12 +94,10 @@ def exit_process(rc: int) -> None:
 
     A process of a multi-process run (torchrun / ``accelerate launch`` set ``WORLD_SIZE``; DeepSpeed)
     leaves with ``os._exit`` once its output is flushed, skipping interpreter finalisation and C++
-    static destructors. That teardown is racy against gloo's C++ worker threads: now and then a rank
-    aborted there ("terminate called without an active exception", SIGABRT; once in CI under torchrun
-    DDP, once in a session under DeepSpeed ZeRO-2, 0 of 21 local DDP runs) after every checkpoint and
-    log had been written and the process group destroyed, and the launcher then failed the job.
-    PyTorch issue #190489 and PR #179291 describe the same teardown abort. Everything the run writes is closed
-    by then (checkpoints are renamed into place, the metric logger is closed)."""
+    static destructors: that teardown races gloo's C++ worker threads and can abort a rank (SIGABRT,
+    "terminate called without an active exception", PyTorch issue #190489) after the run is done,
+    which makes the launcher fail the job. Nothing is lost: every checkpoint is renamed into place
+    and the metric logger closed by then."""
     from accelerate.utils import parse_flag_from_env
 
     sys.stdout.flush()

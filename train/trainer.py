@@ -16,75 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import random
 import shutil
-import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from draftlab import checkpoint as ckpt
 from draftlab.atomic import publish, write_json
 from draftlab.data.dataset import batches_by_tokens, collate
 from draftlab.errors import DraftlabError
-from draftlab.train.optimizer_state import load_zero_optimizer, save_zero_optimizer
-
-
-def make_accelerator():
-    """This process's Accelerator, honouring ``accelerate launch --config_file`` on a CPU-only machine too.
-
-    ``Accelerator(cpu=True)`` gives gloo DDP there (torchrun, MULTI_CPU configs) but silently drops
-    DeepSpeed (Accelerate enables it only when ``cpu`` is false), while ``cpu=False`` alone leaves every
-    process on its own (no backend, world size 1). DeepSpeed on CPU therefore gets a gloo process group.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
-
-    fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
-    if torch.cuda.is_available():
-        accelerator = Accelerator()
-    elif fsdp or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-        if fsdp:
-            _enable_fsdp2_on_cpu()
-    else:
-        accelerator = Accelerator(cpu=True)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # Accelerate registers its DeepSpeed config with transformers, and under ZeRO-3 transformers then
-        # builds every from_pretrained model inside deepspeed.zero.Init, partitioned across the ranks. The
-        # frozen target must stay whole on each rank (its load under main_process_first even deadlocks on
-        # zero.Init's broadcast); only the drafter goes to DeepSpeed, through accelerator.prepare.
-        from transformers.integrations import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-    return accelerator
-
-
-def _enable_fsdp2_on_cpu() -> None:
-    """Accelerate 1.15 switches FSDP on only for accelerator devices (AcceleratorState's FSDP branch lists
-    MULTI_GPU, MULTI_XPU, ...): on CPU an FSDP config gives DDP (``use_cpu``) or a process group with no
-    wrapping at all. torch's FSDP2 (``fully_shard``) itself runs on a gloo CPU process group, so set the
-    state Accelerate would have set; accelerator.prepare then shards the drafter with fully_shard."""
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch exported
-    if plugin.fsdp_version != 2:
-        raise DraftlabError("FSDP on CPU needs fsdp_version: 2 in the Accelerate config (FSDP1 is not supported here)")
-    state = AcceleratorState()
-    state.fsdp_plugin = plugin
-    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+from draftlab.train import backends, hooks, optimizer_state, rng
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -176,48 +119,13 @@ class Trainer:
         opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fused=True)
         # Stepped once per optimizer step by the loop below. Not handed to accelerate.prepare: its wrapper
         # steps a scheduler once per *process* each step (it assumes per-process batches shrink with the
-        # world size), which ran the warmup + cosine schedule world-size times too fast under DDP.
+        # world size), which would run the warmup + cosine schedule world-size times too fast under DDP.
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, self.total_steps, t.min_lr_ratio))
-        # accumulate() turns gradient sync (DDP), the micro-step boundary (DeepSpeed) and the loss scaling on
-        # and off per micro-batch.
-        accelerator.gradient_accumulation_steps = t.grad_accum
-        self.zero_stage = self._configure_deepspeed() if accelerator.distributed_type == DistributedType.DEEPSPEED else None
-        if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
-            raise DraftlabError("Accelerate config fsdp_cpu_ram_efficient_loading must be false: Accelerate's FSDP2 "
-                                "loader then takes the drafter's buffers (d2t, t2d) for sharded parameters and fails")
-        self.model, self.opt = accelerator.prepare(drafter, opt)
-        # How the optimizer state is checkpointed: "torch" (optimizer.pt, state_dict of the one replicated
-        # optimizer), "fsdp" (optimizer.pt, full state keyed by parameter name, gathered from the shards),
-        # "zero-N" (optimizer-rank{r}.pt, each rank's ZeRO partition: same stage and world size to resume).
-        if self.zero_stage is not None:
-            self.opt_layout = f"zero-{self.zero_stage}"
-        else:
-            self.opt_layout = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "torch"
+        self.model, self.opt = backends.prepare(accelerator, t, drafter, opt)
+        self.opt_state = optimizer_state.for_run(accelerator, self.model, self.opt, self.sched)
         self.step = 0
         self.elapsed = 0.0  # training seconds over all resumed runs
         self.best_tau = None
-
-    def _configure_deepspeed(self) -> int:
-        """The recipe owns accumulation and clipping: a DeepSpeed JSON may leave them "auto" (filled in here)
-        or repeat them, never contradict them. Returns the ZeRO stage."""
-        t = self.recipe.train
-        plugin = self.accelerator.state.deepspeed_plugin
-        cfg = plugin.deepspeed_config
-        for key, want, field in (
-            ("gradient_accumulation_steps", t.grad_accum, "train.grad_accum"),
-            ("gradient_clipping", t.clip_grad_norm, "train.clip_grad_norm"),
-        ):
-            have = cfg.get(key, "auto")
-            if have == "auto":
-                cfg[key] = want
-            elif float(have) != float(want):
-                raise DraftlabError(f"DeepSpeed config {key}={have} contradicts the recipe's {field}={want}; set it to \"auto\"")
-        # Micro-batches are token-budgeted, so DeepSpeed's batch-size bookkeeping only needs a consistent value.
-        if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            cfg["train_micro_batch_size_per_gpu"] = 1
-        if cfg.get("zero_optimization", {}).get("elastic_checkpoint"):
-            raise DraftlabError("DeepSpeed config zero_optimization.elastic_checkpoint is not supported (checkpoints are per rank)")
-        return int(plugin.zero_stage)
 
     # ------------------------------------------------------------------ data
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -239,42 +147,27 @@ class Trainer:
     def save(self, metrics: dict) -> Path:
         """All ranks call this; rank files first, then the main process publishes atomically."""
         final = ckpt.step_dir(self.run_dir, self.step)
-        tmp_name = self.run_dir / "checkpoints" / f".staging-{self.step:07d}"
+        staging = self.run_dir / "checkpoints" / f".staging-{self.step:07d}"
+        trainer_dir = staging / "trainer"
         if self.accelerator.is_main_process:
-            shutil.rmtree(tmp_name, ignore_errors=True)
-            (tmp_name / "trainer").mkdir(parents=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            trainer_dir.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        write_json(
-            tmp_name / "trainer" / f"rng-rank{self.rank}.json",
-            {
-                "torch": torch.get_rng_state().tolist(),
-                "python": _py_rng_to_json(random.getstate()),
-                "numpy": _np_rng_to_json(np.random.get_state()),
-            },
-        )
+        write_json(trainer_dir / f"rng-rank{self.rank}.json", rng.get_state())
         # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights); the main process writes.
-        state = self.accelerator.get_state_dict(self.model)
-        if self.opt_layout == "fsdp":
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            opt_state = get_optimizer_state_dict(self.model, self.opt.optimizer, options=_full_state())
-        elif self.opt_layout == "torch":
-            opt_state = self.opt.state_dict()
-        else:  # ZeRO partitions the optimizer state: each rank writes its own part
-            save_zero_optimizer(tmp_name / "trainer", self.rank, self.model.optimizer, self.sched)
+        weights = self.accelerator.get_state_dict(self.model)
+        self.opt_state.save(trainer_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             drafter = self.accelerator.unwrap_model(self.model)
             meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
-            ckpt.save_weights(tmp_name, state, meta)
-            if self.zero_stage is None:
-                torch.save({"optimizer": opt_state, "scheduler": self.sched.state_dict()}, tmp_name / "trainer" / "optimizer.pt")
+            ckpt.save_weights(staging, weights, meta)
             write_json(
-                tmp_name / "trainer" / "state.json",
-                {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_layout,
+                trainer_dir / "state.json",
+                {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
                  "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
             )
-            publish(tmp_name, final)
+            publish(staging, final)
         self.accelerator.wait_for_everyone()
         return final
 
@@ -291,40 +184,11 @@ class Trainer:
             raise DraftlabError(
                 f"output_dir {self.run_dir} holds a run of a different recipe; use a new output_dir or the same recipe"
             )
-        layout = state.get("optimizer_layout", "torch")  # checkpoints from before DeepSpeed/FSDP support: torch
-        if layout != self.opt_layout or (self.zero_stage is not None and state["world_size"] != self.world):
-            raise DraftlabError(
-                f"{last}: optimizer state was saved as '{layout}' by {state['world_size']} process(es) but this run uses "
-                f"'{self.opt_layout}' on {self.world}; relaunch the same way or use a new output_dir"
-            )
         drafter, _ = ckpt.load_drafter(last, self.target, dtype=torch.float32)
-        weights = drafter.state_dict()
-        module = self.accelerator.unwrap_model(self.model)
-        if self.opt_layout == "torch":
-            module.load_state_dict(weights)
-            opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
-            self.opt.load_state_dict(opt_state["optimizer"])
-            self.sched.load_state_dict(opt_state["scheduler"])
-        elif self.opt_layout == "fsdp":  # every rank takes its shards of the full weights and optimizer state
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-            set_model_state_dict(self.model, weights, options=_full_state())
-            opt_state = torch.load(last / "trainer" / "optimizer.pt", weights_only=True, map_location="cpu")
-            set_optimizer_state_dict(self.model, self.opt.optimizer, opt_state["optimizer"], options=_full_state())
-            self.sched.load_state_dict(opt_state["scheduler"])
-        else:
-            if self.zero_stage == 3:  # partitioned parameters come back from the fp32 master partitions below
-                params = {name for name, _ in module.named_parameters()}
-                module.load_state_dict({k: v for k, v in weights.items() if k not in params}, strict=False)
-            else:  # the replicated parameters the next forward uses; the master copies come from the ZeRO state
-                module.load_state_dict(weights)
-            load_zero_optimizer(last / "trainer", self.rank, self.world, self.model.optimizer, self.sched)
+        self.opt_state.load(last / "trainer", drafter.state_dict(), state)
         rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
         if state["world_size"] == self.world and rng_file.is_file():
-            rng = json.loads(rng_file.read_text())
-            torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
-            random.setstate(_py_rng_from_json(rng["python"]))
-            np.random.set_state(_np_rng_from_json(rng["numpy"]))
+            rng.set_state(json.loads(rng_file.read_text()))
         self.step, self.elapsed, self.best_tau = state["step"], state["elapsed_s"], state.get("best_tau")
         if self.accelerator.is_main_process:
             print(f"resumed from {last} (step {self.step})", flush=True)
@@ -353,18 +217,18 @@ class Trainer:
         self.resume()
         main = self.accelerator.is_main_process
         if main:
-            backend = self.accelerator.distributed_type.value + (f" ZeRO-{self.zero_stage}" if self.zero_stage is not None else "")
-            owned = _owned_weight_fraction(self.model)
-            print(f"distributed: {backend}, world size {self.world}, rank 0 owns {owned:.0%} of the drafter weights", flush=True)
+            owned = backends.owned_weight_fraction(self.model)
+            print(f"distributed: {backends.describe(self.accelerator)}, world size {self.world}, "
+                  f"rank 0 owns {owned:.0%} of the drafter weights", flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricLogger(self.run_dir, self.recipe, main)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.recipe.algorithm}", dynamic_ncols=True)
         stream = self.micro_batches(self.step)
         last_metrics: dict = {}
         started = time.perf_counter() - self.elapsed
-        stop_early = False
+        out_of_time = False
         self.model.train()
-        while self.step < self.total_steps and not stop_early:
+        while self.step < self.total_steps and not out_of_time:
             t0 = time.perf_counter()
             tokens = 0
             agg: dict = {}
@@ -405,18 +269,20 @@ class Trainer:
             acc = agg.get("acc", [])
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
             bar.update(1)
-            if t.time_limit_minutes and self.elapsed >= t.time_limit_minutes * 60:
-                stop_early = True
-            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or stop_early:
+            # out of time on the last step is no stop: the run is complete
+            out_of_time = self.step < self.total_steps and bool(t.time_limit_minutes) and self.elapsed >= t.time_limit_minutes * 60
+            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
                 self.checkpoint_and_eval(last_metrics, logger)
         bar.close()
-        if self.world > 1 and self.opt_layout not in ("zero-3", "fsdp"):  # those keep only a shard of each weight per rank
+        if self.world > 1 and self.opt_state.replicated:  # FSDP / ZeRO-3 keep only a shard of each weight per rank
             last_metrics["weights_in_sync"] = self.check_weights_in_sync()
             logger.log({"step": self.step, "weights_in_sync": last_metrics["weights_in_sync"]})
         logger.close()
-        if stop_early and main:
+        if main and out_of_time:
             print(f"stopped at step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min (train.time_limit_minutes); "
                   "relaunch the same command to continue", flush=True)
+        elif main:
+            print(f"training complete: step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min", flush=True)
         return last_metrics
 
     def check_weights_in_sync(self) -> bool:
@@ -430,9 +296,8 @@ class Trainer:
 
     def checkpoint_and_eval(self, metrics: dict, logger: MetricLogger) -> None:
         path = self.save(metrics)
-        if os.environ.get("DRAFTLAB_FAULT_KILL_AFTER_STEP") == str(self.step):
-            # Fault injection for the resume test: die the hardest way right after a checkpoint.
-            os.kill(os.getpid(), signal.SIGKILL)
+        for hook in hooks.after_checkpoint:
+            hook(self, path)
         if self.evaluate is not None and self.recipe.eval.enabled:
             report = None
             if self.accelerator.is_main_process:
@@ -450,27 +315,6 @@ class Trainer:
         self.prune()
 
 
-def _owned_weight_fraction(model) -> float:
-    """Share of the drafter's parameter elements in this rank's own partition: 1 when replicated, about
-    1/world under ZeRO-3 / FSDP (ZeRO-3 also caches parameters under its persistence threshold whole)."""
-    owned = total = 0
-    for p in model.parameters():
-        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition (padded to equal sizes)
-            owned, total = owned + p.ds_tensor.numel(), total + p.ds_numel
-        elif hasattr(p, "to_local"):  # FSDP2 DTensor shard
-            owned, total = owned + p.to_local().numel(), total + p.numel()
-        else:
-            owned, total = owned + p.numel(), total + p.numel()
-    return owned / total
-
-
-def _full_state():
-    """FSDP checkpoints hold full (unsharded) tensors, so they load into any number of processes."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def _accumulate(agg: dict, metrics: dict, n: int) -> None:
     for k, v in metrics.items():
         if isinstance(v, list):
@@ -478,19 +322,3 @@ def _accumulate(agg: dict, metrics: dict, n: int) -> None:
             agg[k] = [a + b / n for a, b in zip(prev, v)]
         else:
             agg[k] = agg.get(k, 0.0) + v / n
-
-
-def _py_rng_to_json(state):
-    return [state[0], list(state[1]), state[2]]
-
-
-def _py_rng_from_json(obj):
-    return (obj[0], tuple(obj[1]), obj[2])
-
-
-def _np_rng_to_json(state):
-    return [state[0], state[1].tolist(), state[2], state[3], state[4]]
-
-
-def _np_rng_from_json(obj):
-    return (obj[0], np.array(obj[1], dtype=np.uint32), obj[2], obj[3], obj[4])

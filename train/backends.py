@@ -1,0 +1,114 @@
+"""Accelerate set-up for the trainer: which back end runs (single process, DDP, FSDP2, DeepSpeed ZeRO)
+and the workarounds each needs, so the loop in ``trainer.py`` never branches on the back end.
+
+:func:`make_accelerator` builds this process's Accelerator; :func:`prepare` wraps the drafter and its
+optimizer; :func:`describe` and :func:`owned_weight_fraction` say what the run got.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import DistributedType
+
+from draftlab.errors import DraftlabError
+
+
+def make_accelerator():
+    """This process's Accelerator, honouring ``accelerate launch --config_file`` on a CPU-only machine too."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
+
+    fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
+    if torch.cuda.is_available():
+        accelerator = Accelerator()
+    elif fsdp or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        # cpu=True would silently drop DeepSpeed and FSDP, and cpu=False alone leaves each process on its
+        # own (no backend, world size 1): ask for a gloo process group explicitly.
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        if fsdp:
+            _enable_fsdp2_on_cpu()
+    else:
+        accelerator = Accelerator(cpu=True)  # gloo DDP under torchrun / MULTI_CPU configs
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # Accelerate registers its DeepSpeed config with transformers, which under ZeRO-3 then builds every
+        # from_pretrained model partitioned (deepspeed.zero.Init). The frozen target must stay whole on each
+        # rank (and its load under main_process_first deadlocks on zero.Init's broadcast).
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return accelerator
+
+
+def _enable_fsdp2_on_cpu() -> None:
+    """Accelerate switches FSDP on only for accelerator devices, yet torch's FSDP2 (``fully_shard``) runs on
+    a gloo CPU group: set the state Accelerate would have set, so ``accelerator.prepare`` shards the drafter.
+    There is no public setter; PartialState's shared state must agree with AcceleratorState's."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables accelerate launch exported
+    if plugin.fsdp_version != 2:
+        raise DraftlabError("FSDP on CPU needs fsdp_version: 2 in the Accelerate config (FSDP1 is not supported here)")
+    state = AcceleratorState()
+    state.fsdp_plugin = plugin
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def prepare(accelerator, train, drafter, optimizer):
+    """``accelerator.prepare`` of the drafter and its optimizer under the recipe's ``train`` section:
+    the recipe owns gradient accumulation and clipping whatever the back end's own config says."""
+    # accumulate() turns gradient sync (DDP), the micro-step boundary (DeepSpeed) and the loss scaling on
+    # and off per micro-batch.
+    accelerator.gradient_accumulation_steps = train.grad_accum
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        _reconcile_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, train)
+    if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+        raise DraftlabError("Accelerate config fsdp_cpu_ram_efficient_loading must be false: Accelerate's FSDP2 "
+                            "loader then takes the drafter's buffers (d2t, t2d) for sharded parameters and fails")
+    return accelerator.prepare(drafter, optimizer)
+
+
+def _reconcile_deepspeed_config(cfg: dict, train) -> None:
+    """A DeepSpeed JSON may leave accumulation and clipping "auto" (filled in here) or repeat the
+    recipe's values, never contradict them."""
+    for key, want, field in (
+        ("gradient_accumulation_steps", train.grad_accum, "train.grad_accum"),
+        ("gradient_clipping", train.clip_grad_norm, "train.clip_grad_norm"),
+    ):
+        have = cfg.get(key, "auto")
+        if have == "auto":
+            cfg[key] = want
+        elif float(have) != float(want):
+            raise DraftlabError(f"DeepSpeed config {key}={have} contradicts the recipe's {field}={want}; set it to \"auto\"")
+    # Micro-batches are token-budgeted, so DeepSpeed's batch-size bookkeeping only needs a consistent value.
+    if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        cfg["train_micro_batch_size_per_gpu"] = 1
+    if cfg.get("zero_optimization", {}).get("elastic_checkpoint"):
+        raise DraftlabError("DeepSpeed config zero_optimization.elastic_checkpoint is not supported (checkpoints are per rank)")
+
+
+def zero_stage(accelerator) -> int | None:
+    """The DeepSpeed ZeRO stage, or None when DeepSpeed does not run."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def describe(accelerator) -> str:
+    """The back end as the run reports it: ``NO``, ``MULTI_CPU``, ``FSDP``, ``DEEPSPEED ZeRO-2``, ..."""
+    stage = zero_stage(accelerator)
+    return accelerator.distributed_type.value + (f" ZeRO-{stage}" if stage is not None else "")
+
+
+def owned_weight_fraction(model) -> float:
+    """Share of the drafter's parameter elements in this rank's own partition: 1 when replicated, about
+    1/world under ZeRO-3 / FSDP (ZeRO-3 also caches parameters under its persistence threshold whole)."""
+    owned = total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3 partition (padded to equal sizes)
+            owned, total = owned + p.ds_tensor.numel(), total + p.ds_numel
+        elif hasattr(p, "to_local"):  # FSDP2 DTensor shard
+            owned, total = owned + p.to_local().numel(), total + p.numel()
+        else:
+            owned, total = owned + p.numel(), total + p.numel()
+    return owned / total
