@@ -97,9 +97,11 @@ def compiled_forward(target) -> Callable:
     """``target.forward`` through ``torch.compile`` (inductor, dynamic shapes, so one graph
     serves every batch shape; sizes 1 get their own). On CPU it fuses the norms, RoPE and
     activations into a few kernels: fewer passes over memory and far fewer thread-pool
-    barriers, which matters most on a busy machine (bench/capture.py). Costs tens of seconds
-    of compilation once per process; numerics differ from eager at fp32 rounding level, so a
-    capture is resumed with the same setting."""
+    barriers, which matters most on a busy machine (bench/capture.py). Inside the graph every
+    product is a plain linear (``Target._linear``: inductor cannot lower the packed small-row
+    GEMM). Compiling unrolls every layer into one graph, which takes minutes (many on a small
+    CPU) once per process; numerics differ from eager at fp32 rounding level, so a capture is
+    resumed with the same setting."""
     global _COMPILED_FORWARD
     if _COMPILED_FORWARD is None:
         from draftlab.models.target import Target

@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=None, help=f"padded tokens per forward (default {DEFAULT_BATCH_TOKENS})")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: ~256 MiB shards)")
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the target (~1 min once; faster forwards, see bench/capture.py)")
+                   help="torch.compile the target's forward: compiling a 30-layer target takes many minutes on a "
+                   "small CPU (once per process), so it pays off on long captures only (bench/capture.py); a capture "
+                   "resumes with the setting it began with")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

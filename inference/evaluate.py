@@ -1,9 +1,9 @@
 """``draftlab eval``: acceptance (a_j, alpha_j, tau) and speedup of a drafter on a prompt set.
 
-For every prompt the plain baseline and speculative decoding run back to back in the same
-process, on the same prompt with the same ``max_new_tokens`` and sampling settings, so the
-speedup compares like with like (methods.md). One untimed warm-up generation of each kind runs
-first (allocator, kernel compilation). Metrics come from :mod:`draftlab.inference.metrics`.
+For every prompt the plain baseline and speculative decoding run in lockstep (one step of each
+in turn, so the machine's slow spells slow both alike), on the same prompt with the same
+``max_new_tokens`` and sampling settings. One untimed warm-up generation of each kind runs first
+(allocator, kernel compilation). Metrics come from :mod:`draftlab.inference.metrics`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
+from draftlab.inference.decoder import Decoder, single, run_lockstep
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prompts import DATA_SETS, EvalPrompt
 from draftlab.inference.proposer import (
@@ -97,31 +97,30 @@ def evaluate(
     label: str | None = None,
     progress=None,
 ) -> dict:
-    """Run every prompt (prompt i uses seed ``seed + i``), drafting ``shape`` each step, and
-    return the report dict. ``progress(i, n, spec_result)`` is called after each prompt when given."""
+    """Decode every prompt (prompt i with seed ``seed + i``) plainly and drafting ``shape`` each
+    step, in lockstep (the batch-size-1 case of :mod:`~draftlab.inference.batch_eval`'s harness,
+    the order alternating from prompt to prompt), and return the report dict, per prompt and per
+    category. ``progress(i, n, spec_result)`` is called after each prompt when given."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
     verifier_note = proposer.verifier_report(target, prompts, max_new_tokens, eos_token_id)
     target = proposer.verifier(target)
-    decoder = SpeculativeDecoder(target, proposer, backend=backend)
+    decoder, plain = Decoder(target, proposer, backend=backend), Decoder(target)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     if warmup:
         n = min(max_new_tokens, 16)
-        generate_plain(target, prompts[0].prompt_ids, n, seed=seed, **sampling)
-        decoder.generate(prompts[0].prompt_ids, n, shape, seed=seed, **sampling)
+        plain.generate([prompts[0].prompt_ids], n, None, seed=seed, **sampling)
+        decoder.generate([prompts[0].prompt_ids], n, shape, seed=seed, **sampling)
     compare = baseline and temperature == 0.0
     total, by_cat = _Totals(), {}
     per_prompt = []
     for i, p in enumerate(prompts):
-        run_base = lambda: generate_plain(target, p.prompt_ids, max_new_tokens, seed=seed + i, **sampling)  # noqa: E731
-        run_spec = lambda: decoder.generate(p.prompt_ids, max_new_tokens, shape, seed=seed + i, **sampling)  # noqa: E731
-        # Alternate which runs first so slow drift of the machine does not favour one side.
-        if i % 2 == 0:
-            base = run_base() if baseline else None
-            spec = run_spec()
-        else:
-            spec = run_spec()
-            base = run_base() if baseline else None
+        runs = [decoder.steps([p.prompt_ids], max_new_tokens, shape, seed=seed + i, **sampling)]
+        if baseline:
+            runs.insert(i % 2, plain.steps([p.prompt_ids], max_new_tokens, None, seed=seed + i, **sampling))
+        done = [single(r) for r in run_lockstep(runs)]
+        spec = done[(i + 1) % 2] if baseline else done[0]
+        base = done[i % 2] if baseline else None
         for group in (total, by_cat.setdefault(p.category, _Totals())):
             group.add(spec, base, compare)
         per_prompt.append(
@@ -205,7 +204,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data", default="spec-bench", help=f"prompt set: {', '.join(DATA_SETS)} or a .jsonl file (messages or Spec-Bench form)"
     )
     p.add_argument("--recipe", default=None, help="sharegpt-heldout: take the data split from this recipe YAML")
-    p.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts, round-robin over categories")
+    p.add_argument("overrides", nargs="*", metavar="dotted.key=value",
+                   help="with --recipe: overrides as `draftlab train` takes them (e.g. data.heldout=64), so the split "
+                   "is the one a run trained with them used")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="this many prompts, round-robin over categories (more than the set holds is an error)")
     p.add_argument("--report", default=None, help="write the JSON report here (plus .md and .png next to it)")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no greedy match)")
     p.add_argument("--batch-sizes", default=None,
@@ -281,7 +284,7 @@ def load_models(args) -> tuple:
 
 
 def run(args) -> int:
-    from draftlab.inference.prompts import load_prompts
+    from draftlab.inference.prompts import prompt_conversations, tokenize_prompts
     from draftlab.inference.report import batch_table, markdown_table, write_report
 
     batch_sizes = None
@@ -294,12 +297,17 @@ def run(args) -> int:
     if batch_sizes and args.no_baseline:
         raise DraftlabError("--batch-sizes measures speedup over plain batched decoding: drop --no-baseline")
     data_spec = None
+    if args.overrides and not args.recipe:
+        raise DraftlabError(f"overrides ({' '.join(args.overrides)}) apply to a recipe: pass --recipe")
     if args.recipe:
         from draftlab.recipe import load_recipe
 
-        data_spec = load_recipe(args.recipe).data
+        data_spec = load_recipe(args.recipe, args.overrides).data
+    check_decoding_options(args)
+    decoding_shape(args)
+    convs = prompt_conversations(args.data, args.num_prompts, data_spec=data_spec, option="--num-prompts")
     target, proposer, shape = load_models(args)
-    prompts = load_prompts(args.data, target.tokenizer, args.num_prompts, data_spec=data_spec)
+    prompts = tokenize_prompts(convs, target.tokenizer)
 
     def progress(i, n, res):
         print(f"[{i + 1}/{n}] tau={res.stats().tau:.2f} {res.tokens_per_s:.1f} tok/s", flush=True)

@@ -4,18 +4,22 @@
   categories kept. Any JSONL path with the same schema works too.
 * ``humaneval``: HumanEval's code prompts (gz JSONL, ``"prompt"``), category ``humaneval``.
 * ``sharegpt-heldout``: the held-out conversations of the data stage's split, first user turn.
+  Asked for more prompts than the split holds, it goes on with conversations past
+  ``data.num_conversations`` (never loaded, so never trained on), ranked as the split ranks.
 * ``FILE.jsonl``: one record per line, either ``{"messages": [...]}`` (prompt = messages up to
   and including the first user turn) or Spec-Bench form ``{"turns": [...], "category": ...}``;
   an optional ``"category"`` is kept, else the file's stem is the category.
 
 When fewer prompts are asked for than a set holds, they are taken round-robin over categories
-so that every category is represented.
+so that every category is represented; asking for more than a set holds is an error, never a
+smaller set.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import sys
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -101,28 +105,72 @@ def _round_robin(items: list, num: int | None, key) -> list:
     return order[:num]
 
 
-def _heldout_conversations(data_spec) -> list[tuple[str, str, list[dict]]]:
-    """The data stage's held-out split. Loads and splits exactly as ``build_samples`` does but
-    skips tokenising the (large) training part, which evaluation never needs; only the prompt
-    (up to the first assistant turn) is used, which regeneration leaves unchanged."""
+def _heldout_conversations(data_spec, wanted: int | None = None, option: str = "num_prompts") -> list[tuple[str, str, list[dict]]]:
+    """The data stage's held-out split (``wanted`` prompts at least, else a DraftlabError naming
+    ``option``). Loads and splits exactly as ``build_samples`` does but skips tokenising the
+    (large) training part, which evaluation never needs; only the prompt (up to the first
+    assistant turn) is used, which regeneration leaves unchanged.
+
+    When ``wanted`` exceeds the split and ``data.num_conversations`` stopped the load, the rest
+    come from the conversations after the loaded ones: training never read them. They are
+    ranked by the split's own keyed hash (not taken in file order, where a ShareGPT record is
+    often the next chunk of the conversation before it), and a prompt that equals a loaded
+    conversation's or an earlier one's is skipped."""
     from draftlab.data.dataset import DataSpec, split_heldout
-    from draftlab.data.sources import load_conversations
+    from draftlab.data.sources import conversation_digest, iter_conversations, load_conversations
 
     spec = data_spec if data_spec is not None else DataSpec()
-    convs, _ = load_conversations(spec.source, spec.path, spec.num_conversations, spec.hf_split, spec.hf_column)
+    convs, report = load_conversations(spec.source, spec.path, spec.num_conversations, spec.hf_split, spec.hf_column)
     if spec.heldout >= len(convs):
         raise DraftlabError(f"data.heldout ({spec.heldout}) must be smaller than the number of usable conversations ({len(convs)})")
     _, held = split_heldout(convs, spec.heldout, spec.seed)
     if not held:
         raise DraftlabError("data 'sharegpt-heldout': the data split holds no held-out conversations (data.heldout = 0)")
-    return [("sharegpt", str(i), _first_user_turn(convs[i], f"held-out conversation {i}")) for i in held]
+    out = [("sharegpt", str(i), _first_user_turn(convs[i], f"held-out conversation {i}")) for i in held]
+    if wanted is None or wanted <= len(out):
+        return out
+    unread = []
+    if report.stopped_at_limit:
+        seen = {json.dumps(_first_user_turn(c, "conversation"), sort_keys=True) for c in convs}
+        ranked = []
+        stream = iter_conversations(spec.source, spec.path, None, spec.hf_split, spec.hf_column)
+        for i, conv in enumerate(stream):
+            if i >= len(convs):  # the stream's first len(convs) conversations are the loaded ones
+                ranked.append((conversation_digest(conv, f"split:{spec.seed}"), i, _first_user_turn(conv, f"conversation {i}")))
+        for _, i, prompt in sorted(ranked):
+            key = json.dumps(prompt, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                unread.append(("sharegpt", str(i), prompt))
+    available = len(out) + len(unread)
+    if wanted > available:
+        where = (f"{len(out)} held out by data.heldout, {len(unread)} distinct ones past data.num_conversations={spec.num_conversations}"
+                 if report.stopped_at_limit else
+                 f"data.heldout={spec.heldout}; every other conversation of the source is training data")
+        raise DraftlabError(f"{option} {wanted}: sharegpt-heldout has only {available} prompts ({where})")
+    more = wanted - len(out)
+    print(f"sharegpt-heldout: the split's {len(out)} held-out prompts and {more} more from conversations past "
+          f"data.num_conversations ({spec.num_conversations}), which training never reads", file=sys.stderr)
+    return out + unread[:more]
 
 
-def load_prompts(data: str, tokenizer, num_prompts: int | None = None, data_spec=None) -> list[EvalPrompt]:
+def load_prompts(data: str, tokenizer, num_prompts: int | None = None, data_spec=None, option: str = "num_prompts") -> list[EvalPrompt]:
     """Prompts of a named set (``DATA_SETS``) or a JSONL file; ``data_spec`` is the DataSpec whose
-    held-out split ``sharegpt-heldout`` uses (default: the data stage's defaults)."""
+    held-out split ``sharegpt-heldout`` uses (default: the data stage's defaults). ``num_prompts``
+    more than the set holds is a DraftlabError naming ``option`` (the caller's name for it)."""
+    return tokenize_prompts(prompt_conversations(data, num_prompts, data_spec, option), tokenizer)
+
+
+def tokenize_prompts(convs: list[tuple[str, str, list[dict]]], tokenizer) -> list[EvalPrompt]:
+    """:class:`EvalPrompt` per ``(category, id, messages)`` of :func:`prompt_conversations`."""
+    return [EvalPrompt(cat, chat_prompt_ids(tokenizer, msgs), rid) for cat, rid, msgs in convs]
+
+
+def prompt_conversations(data: str, num_prompts: int | None = None, data_spec=None, option: str = "num_prompts") -> list[tuple[str, str, list[dict]]]:
+    """:func:`load_prompts` before tokenising (no tokenizer needed, so a bad set or count fails
+    before any model loads): ``(category, id, messages)`` per prompt."""
     if num_prompts is not None and num_prompts < 1:
-        raise DraftlabError(f"num_prompts must be >= 1, got {num_prompts}")
+        raise DraftlabError(f"{option} must be >= 1, got {num_prompts}")
     if data == "spec-bench":
         from draftlab.presets import spec_bench_path
 
@@ -138,11 +186,12 @@ def load_prompts(data: str, tokenizer, num_prompts: int | None = None, data_spec
                 raise DraftlabError(f"{path}:{n}: record needs a string 'prompt'")
             convs.append(("humaneval", str(rec.get("task_id", n)), [{"role": "user", "content": rec["prompt"]}]))
     elif data == "sharegpt-heldout":
-        convs = _heldout_conversations(data_spec)
+        convs = _heldout_conversations(data_spec, num_prompts, option)
     else:
         path = Path(data)
         if not path.name.endswith((".jsonl", ".jsonl.gz")):
             raise DraftlabError(f"data must be one of {', '.join(DATA_SETS)} or a .jsonl file, got '{data}'")
         convs = _conversations_from_records(_read_jsonl(path), path)
-    convs = _round_robin(convs, num_prompts, key=lambda c: c[0])
-    return [EvalPrompt(cat, chat_prompt_ids(tokenizer, msgs), rid) for cat, rid, msgs in convs]
+    if num_prompts is not None and num_prompts > len(convs):
+        raise DraftlabError(f"{option} {num_prompts}: {data} holds only {len(convs)} prompts")
+    return _round_robin(convs, num_prompts, key=lambda c: c[0])

