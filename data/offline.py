@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from draftlab.atomic import write_bytes, write_json
+from draftlab.atomic import write_bytes, write_json, writable_dir
 from draftlab.data.capture import compiled_forward, resolve_layers
 from draftlab.errors import DraftlabError
 from draftlab.models.target import file_sha256
@@ -44,9 +44,11 @@ Sample = dict[str, torch.Tensor]
 def read_manifest(path: Path) -> dict:
     """The capture manifest at ``path`` (a one-line DraftlabError if it is not one)."""
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftlabError(f"{path}: not valid JSON ({e.msg})") from None
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftlabError(f"{path}: not valid JSON ({getattr(e, 'msg', None) or e.reason})") from None
+    except OSError as e:
+        raise DraftlabError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DraftlabError(f"{path}: not a draftlab capture manifest")
     return manifest
@@ -317,9 +319,9 @@ def capture_offline(
             raise DraftlabError(f"out: {out_dir} holds a different capture ({why}); use a new --out directory")
 
     plan = plan_shards(lengths, shard_tokens)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(out_dir, "out")  # a full or read-only disk is one line before any capture work
     for stray in out_dir.glob(".*.tmp"):  # left by a kill mid-write; never referenced
-        stray.unlink()
+        stray.unlink(missing_ok=True)
     done = _verified_shards(out_dir, old, plan, verbose)
     manifest["shards"] = [done[i] for i in sorted(done)]
     write_json(manifest_path, manifest, durable=True)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from draftlab.atomic import append_text, make_dir, write_text
 from draftlab.data.chat import check_template, render
 from draftlab.data.sources import Conversation, conversation_digest
 from draftlab.errors import DraftlabError
@@ -137,7 +137,7 @@ def _read_records(path: Path, wanted: set[str], gen: str) -> tuple[dict[str, Con
     their lines); a torn line or a record of other conversations or settings is dropped."""
     done: dict[str, Conversation] = {}
     lines: list[str] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # reading; a damaged line is dropped below
         for line in f:
             if not line.endswith("\n"):
                 break  # torn write from a killed run
@@ -152,12 +152,7 @@ def _read_records(path: Path, wanted: set[str], gen: str) -> tuple[dict[str, Con
 
 
 def _atomic_write(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text(path, "".join(lines), durable=True)
 
 
 def _line(rid: str, messages: Conversation, gen: str) -> str:
@@ -188,14 +183,14 @@ def regenerate(target, conversations: Sequence[Conversation], out_path, max_new_
         try:
             records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
             found = [(r["id"], r["gen"]) for r in records]
-        except (json.JSONDecodeError, TypeError, KeyError):
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
             found = None
         if found != [(i, gen) for i in ids]:
             raise DraftlabError(
                 f"{out} exists but was made from other conversations or generation settings; remove it or choose another path"
             )
         return [r["messages"] for r in records]
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(out.parent)
     partial = out.with_name(out.name + ".partial")
     done: dict[str, Conversation] = {}
     if partial.is_file():
@@ -204,19 +199,18 @@ def regenerate(target, conversations: Sequence[Conversation], out_path, max_new_
     stop = _stop_ids(target)
     # a per-run salt would break resume equality; derive batch seeds from the seed only
     base = random.Random(f"regenerate:{seed}").getrandbits(31)
-    with open(partial, "a", encoding="utf-8") as f:
-        for b in range(0, len(ids), batch_size):
-            batch_ids = ids[b : b + batch_size]
-            if all(i in done for i in batch_ids):
-                continue
-            new = _regenerate_batch(target, list(conversations[b : b + batch_size]), max_new_tokens, temperature,
-                                    base + b // batch_size, max_length, stop, max_turns)
-            for rid, conv in zip(batch_ids, new):
-                if rid not in done:
-                    done[rid] = conv
-                    f.write(_line(rid, conv, gen))
-            f.flush()
-            os.fsync(f.fileno())
+    for b in range(0, len(ids), batch_size):
+        batch_ids = ids[b : b + batch_size]
+        if all(i in done for i in batch_ids):
+            continue
+        new = _regenerate_batch(target, list(conversations[b : b + batch_size]), max_new_tokens, temperature,
+                                base + b // batch_size, max_length, stop, max_turns)
+        lines = []
+        for rid, conv in zip(batch_ids, new):
+            if rid not in done:
+                done[rid] = conv
+                lines.append(_line(rid, conv, gen))
+        append_text(partial, "".join(lines), durable=True)  # a failed append is cut back off: whole records only
     _atomic_write(out, [_line(i, done[i], gen) for i in ids])
     partial.unlink()
     return [done[i] for i in ids]

@@ -1,8 +1,15 @@
 """The one way draftlab writes files: into a temporary sibling, then renamed into place.
 
 A kill at any moment leaves either the old file (directory) or the new one, never half of
-one, and a leftover temporary is a dot-file that no reader looks at. A path that cannot be
-written is a one-line :class:`DraftlabError` naming it.
+one, and a leftover temporary is a dot-file that no reader looks at. A write that fails (a full
+disk, a directory that cannot be written, a read-only file system, a path below a regular file)
+removes its temporary and is a one-line :class:`DraftlabError` naming the path; the file it
+meant to replace is untouched.
+
+Every byte goes through :func:`_write_all` (the tests make it fail as a full disk would).
+Library writers that want a path of their own (``safetensors.save_file``, ``fig.savefig``)
+should serialise to bytes first (``safetensors.torch.save``, ``io.BytesIO``) and call
+:func:`write_bytes`; :func:`write_file` remains for the few that cannot.
 """
 
 from __future__ import annotations
@@ -13,27 +20,69 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from draftlab.errors import DraftlabError
 
 
+def reason(e: BaseException) -> str:
+    """``No space left on device``, ``Permission denied``...: one line."""
+    text = (getattr(e, "strerror", None) or str(e) or type(e).__name__).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def error(path, e: BaseException, doing: str = "cannot write") -> DraftlabError:
+    """The one-line error for an OSError ``e`` met while writing ``path``."""
+    return DraftlabError(f"{path}: {doing} ({reason(e)})")
+
+
+def _write_all(fd: int, data, path: Path) -> None:
+    """The one low-level write: all of ``data`` to the open ``fd`` (the temporary of ``path``)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view[: 1 << 30])
+        view = view[n:]
+
+
 def _parent(path: Path) -> Path:
+    parent = path.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DraftlabError(f"{path}: cannot create its directory ({e.strerror or e})") from None
-    return path.parent
+        raise error(path, e, "cannot create its directory") from None
+    if not parent.is_dir():
+        raise DraftlabError(f"{path}: cannot create its directory ({parent} is not a directory)")
+    return parent
+
+
+def _temp(path: Path) -> tuple[int, str]:
+    try:
+        return tempfile.mkstemp(dir=_parent(path), prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise error(path, e, "cannot write here") from None
+
+
+def _remove(tmp) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
+def _fill(fd: int, data, path: Path, durable: bool) -> None:
+    """Write ``data`` to ``fd`` and close it (whatever happens)."""
+    try:
+        _write_all(fd, data, path)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_file(path, write: Callable[[str], None], durable: bool = False) -> Path:
     """``write(tmp_path)`` fills a temporary sibling of ``path``, which then replaces ``path``.
-    ``durable`` fsyncs it first (shards a resumed capture trusts by checksum)."""
+    ``durable`` fsyncs it first (shards a resumed capture trusts by checksum). Prefer
+    :func:`write_bytes`: only it goes through the one low-level write."""
     path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=_parent(path), prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise DraftlabError(f"{path}: cannot write here ({e.strerror or e})") from None
+    fd, tmp = _temp(path)
     os.close(fd)
     try:
         write(tmp)
@@ -42,23 +91,122 @@ def write_file(path, write: Callable[[str], None], durable: bool = False) -> Pat
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
+        _remove(tmp)
         if isinstance(e, OSError):
-            raise DraftlabError(f"{path}: cannot write ({e.strerror or e})") from None
+            raise error(path, e) from None
         raise
     return path
 
 
-def write_bytes(path, data: bytes, durable: bool = False) -> Path:
-    return write_file(path, lambda tmp: Path(tmp).write_bytes(data), durable)
+def write_bytes(path, data, durable: bool = False) -> Path:
+    """``data`` (bytes or any buffer) into ``path``, atomically."""
+    path = Path(path)
+    fd, tmp = _temp(path)
+    try:
+        _fill(fd, data, path, durable)
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove(tmp)
+        if isinstance(e, OSError):
+            raise error(path, e) from None
+        raise
+    return path
 
 
-def write_text(path, text: str) -> Path:
-    return write_file(path, lambda tmp: Path(tmp).write_text(text))
+def write_text(path, text: str, durable: bool = False) -> Path:
+    return write_bytes(path, text.encode("utf-8"), durable)
+
+
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2) + "\n"
 
 
 def write_json(path, obj, durable: bool = False) -> Path:
-    return write_file(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"), durable)
+    return write_text(path, json_text(obj), durable)  # serialised before any file is touched
+
+
+def write_files(files: Mapping[Path, bytes], durable: bool = False) -> list[Path]:
+    """Several files as one: every temporary is written first, then all are renamed into place.
+    A failed write leaves none of them changed (and no temporary behind)."""
+    staged: list[tuple[Path, str]] = []
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            fd, tmp = _temp(path)
+            staged.append((path, tmp))
+            try:
+                _fill(fd, data, path, durable)
+            except OSError as e:
+                raise error(path, e) from None
+        for i, (path, tmp) in enumerate(staged):
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise error(path, e) from None
+            staged[i] = (path, "")
+    except BaseException:
+        for _, tmp in staged:
+            if tmp:
+                _remove(tmp)
+        raise
+    return [Path(p) for p in files]
+
+
+def append_text(path, text: str, durable: bool = False) -> Path:
+    """Append ``text`` to ``path`` (a log: JSONL records). A failed append is cut back off, so
+    the file holds whole records only."""
+    path = Path(path)
+    _parent(path)
+    data = text.encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise error(path, e) from None
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            _write_all(fd, data, path)
+            if durable:
+                os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    except OSError as e:
+        raise error(path, e) from None
+    finally:
+        os.close(fd)
+    return path
+
+
+def writable_dir(path, label: str = "") -> Path:
+    """Create directory ``path`` if needed and prove that files can be made in it (a temporary is
+    created and removed), before any work whose results would go there."""
+    path = Path(path)
+    where = f"{label} {path}" if label else str(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DraftlabError(f"{where}: cannot create this directory ({reason(e)})") from None
+    if not path.is_dir():
+        raise DraftlabError(f"{where}: not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".probe-", suffix=".tmp")
+    except OSError as e:
+        raise DraftlabError(f"{where}: cannot write here ({reason(e)})") from None
+    os.close(fd)
+    _remove(tmp)
+    return path
+
+
+def make_dir(path) -> Path:
+    """``mkdir -p`` with a one-line error."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(path, e, "cannot create this directory") from None
+    return path
 
 
 def staging_dir(final: Path) -> Path:
@@ -67,20 +215,28 @@ def staging_dir(final: Path) -> Path:
     try:
         return Path(tempfile.mkdtemp(dir=_parent(final), prefix=f".tmp-{final.name}-"))
     except OSError as e:
-        raise DraftlabError(f"{final}: cannot write here ({e.strerror or e})") from None
+        raise error(final, e, "cannot write here") from None
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Rename a finished staging directory into place (replacing an older one)."""
+    """Rename a finished staging directory into place (replacing an older one, which comes back
+    if the rename fails)."""
     final = Path(final)
-    if final.exists():
-        old = final.with_name(f".old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    try:
+        if final.exists():
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except OSError as e:
+        raise error(final, e) from None
 
 
 @contextlib.contextmanager
@@ -95,5 +251,5 @@ def directory(final) -> Iterator[Path]:
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            raise DraftlabError(f"{final}: cannot write ({e.strerror or e})") from None
+            raise error(final, e) from None
         raise

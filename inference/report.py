@@ -1,5 +1,6 @@
-"""Acceptance reports on disk: JSON, a Markdown table and a PNG of alpha_j by position, each
-written atomically through :mod:`draftlab.atomic` (an unwritable path is a one-line error).
+"""Acceptance reports on disk: JSON, a Markdown table and a PNG of alpha_j by position, written
+together through :mod:`draftlab.atomic`: all of a report's files or none (a full disk or an
+unwritable path is a one-line error and leaves the previous report, if any, as it was).
 
 A report is the dict :func:`draftlab.inference.evaluate.evaluate` returns. Training writes one
 after each checkpoint and passes the earlier ones as ``history``: the plot then shows one
@@ -8,14 +9,17 @@ alpha_j curve per checkpoint.
 
 from __future__ import annotations
 
-import json
+import io
 from pathlib import Path
 
-from draftlab.atomic import write_file, write_json, write_text
+from draftlab.atomic import json_text, write_bytes, write_files
 
 
 def read_json(path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A report (a one-line error when it is missing or not a JSON object)."""
+    from draftlab.checkpoint import read_json as read
+
+    return read(Path(path))
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -116,25 +120,30 @@ def markdown(report: dict) -> str:
     return text + (f"\n**{gap}**\n" if gap else "")
 
 
-def figure(draw, path, size=(6, 4)) -> Path:
-    """``draw(ax)`` on a new matplotlib figure, saved as a PNG at ``path`` (atomically, with a
-    legend when something is labelled); the figure is closed whatever happens."""
+def png(draw, size=(6, 4)) -> bytes:
+    """``draw(ax)`` on a new matplotlib figure, rendered as PNG bytes (with a legend when
+    something is labelled); the figure is closed whatever happens."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
     fig, ax = plt.subplots(figsize=size)
     try:
         draw(ax)
         if ax.lines:
             ax.legend(fontsize=7)
         fig.tight_layout()
-        write_file(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        return buf.getvalue()
     finally:
         plt.close(fig)
-    return path
+
+
+def figure(draw, path, size=(6, 4)) -> Path:
+    """:func:`png` saved at ``path`` (atomically)."""
+    return write_bytes(path, png(draw, size))
 
 
 def _alpha1_bars(ax, report: dict) -> None:
@@ -153,6 +162,11 @@ def _alpha1_bars(ax, report: dict) -> None:
 def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Path:
     """PNG of alpha_j by position j, one curve per report (e.g. per checkpoint); with a single
     draft position, alpha_1 of the last report per data category as bars."""
+    return write_bytes(path, alpha_png(reports, labels))
+
+
+def alpha_png(reports: list[dict], labels: list[str] | None = None) -> bytes:
+    """The bytes of :func:`plot_alpha`'s PNG."""
 
     def draw(ax):
         if reports and max(len(r.get("alpha") or []) for r in reports) == 1 and reports[-1].get("categories"):
@@ -176,12 +190,17 @@ def plot_alpha(reports: list[dict], path, labels: list[str] | None = None) -> Pa
         if reports:
             ax.set_title(_describe(reports[-1]), fontsize=7)
 
-    return figure(draw, path)
+    return png(draw)
 
 
 def plot_speedup_by_batch(series: dict[str, list[dict]], path, title: str = "") -> Path:
     """PNG of speedup over plain decoding against batch size, one curve per labelled list of
     ``batches`` entries (error bars: their 90 % intervals), with the break-even line."""
+    return write_bytes(path, speedup_png(series, title))
+
+
+def speedup_png(series: dict[str, list[dict]], title: str = "") -> bytes:
+    """The bytes of :func:`plot_speedup_by_batch`'s PNG."""
 
     def draw(ax):
         for label, entries in series.items():
@@ -201,20 +220,24 @@ def plot_speedup_by_batch(series: dict[str, list[dict]], path, title: str = "") 
         if title:
             ax.set_title(title, fontsize=7)
 
-    return figure(draw, path)
+    return png(draw)
 
 
 def write_report(report: dict, path, history: list[dict] | None = None) -> dict[str, Path]:
     """Write ``path`` (JSON) plus ``.md`` and ``.png`` siblings. The plot has one curve per
     report of ``history`` (earlier checkpoints, oldest first) and one for ``report``. A report
-    with a ``batches`` section also gets ``.batch.png``, its speedup by batch size."""
+    with a ``batches`` section also gets ``.batch.png``, its speedup by batch size. All are
+    rendered first, then written as one (:func:`draftlab.atomic.write_files`)."""
     path = Path(path)
-    paths = {"json": write_json(path, report), "plot": plot_alpha(list(history or []) + [report], path.with_suffix(".png"))}
+    paths = {"json": path, "plot": path.with_suffix(".png")}
+    files = {paths["json"]: json_text(report).encode("utf-8"), paths["plot"]: alpha_png(list(history or []) + [report])}
     images = f"![acceptance]({paths['plot'].name})"
     if report.get("batches"):
         label = f"{report.get('drafter')} {'adaptive' if report['batches'].get('adaptive') else report.get('method')}"
-        paths["batch_plot"] = plot_speedup_by_batch({label: report["batches"]["entries"]}, path.with_suffix(".batch.png"),
-                                                    _describe(report))
+        paths["batch_plot"] = path.with_suffix(".batch.png")
+        files[paths["batch_plot"]] = speedup_png({label: report["batches"]["entries"]}, _describe(report))
         images += f" ![speedup by batch size]({paths['batch_plot'].name})"
-    paths["markdown"] = write_text(path.with_suffix(".md"), markdown(report) + f"\n{images}\n")
+    paths["markdown"] = path.with_suffix(".md")
+    files[paths["markdown"]] = (markdown(report) + f"\n{images}\n").encode("utf-8")
+    write_files(files)
     return paths

@@ -5,7 +5,6 @@ one alpha_j curve per checkpoint so far."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -26,9 +25,21 @@ class CheckpointEvaluator:
         self.prompts = load_prompts(e.data, target.tokenizer, e.num_prompts, data_spec=recipe.data)
 
     def history(self) -> list[dict]:
+        """The earlier checkpoints' reports (one that cannot be read is left out of the plot, with a warning)."""
+        from draftlab.checkpoint import read_json
+        from draftlab.errors import DraftlabError
+
         if not self.dir.is_dir():
             return []
-        reports = [json.loads(p.read_text()) for p in sorted(self.dir.glob("step-*.json"))]
+        reports = []
+        for p in sorted(self.dir.glob("step-*.json")):
+            try:
+                report = read_json(p)
+            except (DraftlabError, OSError) as e:
+                print(f"eval: an earlier report is left out of the plot: {e}", flush=True)
+                continue
+            if isinstance(report.get("step", 0), int):
+                reports.append(report)
         return sorted(reports, key=lambda r: r.get("step", 0))
 
     def __call__(self, checkpoint_dir: Path) -> dict:

@@ -29,9 +29,13 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     from draftlab.train.rng import seed_everything
     from draftlab.train.trainer import Trainer
 
+    from draftlab.atomic import writable_dir
+
     recipe = load_recipe(path, overrides)
     if algorithms and recipe.algorithm not in algorithms:
         raise DraftlabError(f"{path}: algorithm '{recipe.algorithm}' is not trained by this entry point (use one of {algorithms})")
+    # before minutes of loading and data preparation, not at the first checkpoint
+    writable_dir(recipe.output_dir, "output_dir")
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
 
     accelerator = make_accelerator()

@@ -11,16 +11,20 @@ module knows the layouts (named in ``state.json``'s ``optimizer_layout``):
   weights): only the same stage and world size can resume it. Read back with
   ``torch.load(weights_only=True)``: only the few DeepSpeed classes listed below may be unpickled.
 
-Every file also holds the scheduler state.
+Every file also holds the scheduler state. Files are written through :mod:`draftlab.atomic` and
+read back with ``weights_only=True``; a file that is missing, refused, corrupt or of another
+drafter is a one-line DraftlabError naming it.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 
+from draftlab.atomic import write_bytes
 from draftlab.errors import DraftlabError
 from draftlab.train.backends import zero_stage
 
@@ -50,12 +54,13 @@ class OptimizerState:
         """Every rank calls this (the gathers are collective); the main process writes ``optimizer.pt``."""
         state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict()}
         if self.accelerator.is_main_process:
-            torch.save(state, Path(trainer_dir) / "optimizer.pt")
+            save_state(state, Path(trainer_dir) / "optimizer.pt")
 
     def load(self, trainer_dir: Path, weights: dict, saved: dict) -> None:
         """Every rank calls this with the checkpoint's full ``weights`` and its ``state.json`` (``saved``):
         the weights go into the model (where depends on the layout), then the optimizer and scheduler state.
-        ``_load`` (per layout) loads the weights and the optimizer and returns the scheduler's state."""
+        ``_load`` (per layout) loads the weights and the optimizer and returns the file it read and the
+        scheduler's state."""
         layout = saved.get("optimizer_layout", "torch")  # checkpoints from before DeepSpeed/FSDP support: torch
         world = self.accelerator.num_processes
         if layout != self.layout or (self.same_world and saved["world_size"] != world):
@@ -63,10 +68,12 @@ class OptimizerState:
                 f"{Path(trainer_dir).parent}: optimizer state was saved as '{layout}' by {saved['world_size']} process(es) "
                 f"but this run uses '{self.layout}' on {world}; relaunch the same way or use a new output_dir"
             )
-        self.scheduler.load_state_dict(self._load(Path(trainer_dir), weights))
+        path, scheduler = self._load(Path(trainer_dir), weights)
+        _load_scheduler(self.scheduler, scheduler, path)
 
-    def _read(self, trainer_dir: Path) -> dict:
-        return torch.load(trainer_dir / "optimizer.pt", weights_only=True, map_location="cpu")
+    def _read(self, trainer_dir: Path) -> tuple[Path, dict]:
+        path = Path(trainer_dir) / "optimizer.pt"
+        return path, read_state(path)
 
 
 class Replicated(OptimizerState):
@@ -75,11 +82,13 @@ class Replicated(OptimizerState):
     def _optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
 
-    def _load(self, trainer_dir: Path, weights: dict) -> dict:
+    def _load(self, trainer_dir: Path, weights: dict) -> tuple[Path, dict]:
         self.accelerator.unwrap_model(self.model).load_state_dict(weights)
-        state = self._read(trainer_dir)
-        self.optimizer.load_state_dict(state["optimizer"])
-        return state["scheduler"]
+        path, state = self._read(trainer_dir)
+        with _loading(path):
+            self.optimizer.load_state_dict(state["optimizer"])
+        _check_moments(self.optimizer, path)
+        return path, state["scheduler"]
 
 
 class FSDPFull(OptimizerState):
@@ -91,14 +100,15 @@ class FSDPFull(OptimizerState):
 
         return get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=_full_state())
 
-    def _load(self, trainer_dir: Path, weights: dict) -> dict:
+    def _load(self, trainer_dir: Path, weights: dict) -> tuple[Path, dict]:
         """Every rank takes its shards of the full weights and optimizer state."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         set_model_state_dict(self.model, weights, options=_full_state())
-        state = self._read(trainer_dir)
-        set_optimizer_state_dict(self.model, self.optimizer.optimizer, state["optimizer"], options=_full_state())
-        return state["scheduler"]
+        path, state = self._read(trainer_dir)
+        with _loading(path):
+            set_optimizer_state_dict(self.model, self.optimizer.optimizer, state["optimizer"], options=_full_state())
+        return path, state["scheduler"]
 
 
 def _full_state():
@@ -119,9 +129,9 @@ class ZeroPerRank(OptimizerState):
     def save(self, trainer_dir: Path) -> None:
         """Every rank writes its own partition, from DeepSpeed's ZeRO optimizer (``engine.optimizer``)."""
         state = {"optimizer": self.model.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        torch.save(state, _zero_state_file(trainer_dir, self.rank))
+        save_state(state, _zero_state_file(trainer_dir, self.rank))
 
-    def _load(self, trainer_dir: Path, weights: dict) -> dict:
+    def _load(self, trainer_dir: Path, weights: dict) -> tuple[Path, dict]:
         module = self.accelerator.unwrap_model(self.model)
         if self.replicated:  # the replicated parameters the next forward uses; the master copies come from the ZeRO state
             module.load_state_dict(weights)
@@ -131,8 +141,7 @@ class ZeroPerRank(OptimizerState):
         path = _zero_state_file(trainer_dir, self.rank)
         if not path.is_file():
             raise DraftlabError(f"{path}: missing (this checkpoint was not saved by rank {self.rank} of a ZeRO run)")
-        with torch.serialization.safe_globals(_zero_safe_globals()):
-            saved = torch.load(path, weights_only=True, map_location="cpu")
+        saved = read_state(path, _zero_safe_globals())
         # Rigid (non-elastic) ZeRO state: each rank reads only its own entry of the per-rank list.
         per_rank = [None] * self.accelerator.num_processes
         per_rank[self.rank] = saved["optimizer"]
@@ -141,10 +150,11 @@ class ZeroPerRank(OptimizerState):
         # parameters first, then re-gather the persistent small ones from the restored partitions).
         if hasattr(zero, "checkpoint_event_prologue"):
             zero.checkpoint_event_prologue()
-        zero.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+        with _loading(path):
+            zero.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
         if hasattr(zero, "checkpoint_event_epilogue"):
             zero.checkpoint_event_epilogue()
-        return saved["scheduler"]
+        return path, saved["scheduler"]
 
 
 def _zero_state_file(trainer_dir: Path, rank: int) -> Path:
@@ -159,3 +169,95 @@ def _zero_safe_globals() -> list:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+# ------------------------------------------------------------------ files
+def save_state(state: dict, path: Path) -> None:
+    """``torch.save`` of ``state`` into ``path`` through the one atomic write."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with buf.getbuffer() as data:
+        write_bytes(path, data)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:200]
+
+
+def _weights_only_detail(text: str) -> str | None:
+    """The line of a ``weights_only`` refusal that says what was refused (torch wraps it in advice)."""
+    if not text.startswith("Weights only load failed"):
+        return None
+    for line in text.splitlines()[1:]:
+        line = line.replace("WeightsUnpickler error:", "").strip()
+        if line and not line.startswith(("Please file an issue", "Check the documentation", "Re-running")):
+            return line[:200]
+    return None
+
+
+def read_state(path: Path, safe_globals: list | tuple = ()) -> dict:
+    """An optimizer file: ``{"optimizer": dict, "scheduler": dict}`` read with ``weights_only=True``
+    (only tensors, plain containers and ``safe_globals`` unpickle)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftlabError(f"{path}: missing (the checkpoint has no optimizer state)")
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - whatever a damaged or hostile file raises, it is this file's fault
+        detail = _weights_only_detail(str(e))
+        if detail and "GLOBAL" in detail:
+            raise DraftlabError(f"{path}: refused by torch.load(weights_only=True): {detail} (the file holds code to run, "
+                                "not only tensors: draftlab never writes one; do not load it)") from None
+        raise DraftlabError(f"{path}: not a readable optimizer state ({detail or _first_line(e)})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("optimizer"), dict) or not isinstance(state.get("scheduler"), dict):
+        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise DraftlabError(f"{path}: not an optimizer state (expected a dict of 'optimizer' and 'scheduler' state, got {got})")
+    return state
+
+
+class _loading:
+    """Errors of an optimizer's ``load_state_dict`` as a one-line DraftlabError naming the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError)):
+            raise DraftlabError(f"{self.path}: optimizer state does not fit this drafter ({_first_line(e)})") from None
+        return False
+
+
+def _check_moments(optimizer, path: Path) -> None:
+    """Every per-parameter tensor of the loaded state (AdamW moments) has its parameter's shape."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                    raise DraftlabError(f"{path}: optimizer state '{name}' of shape {tuple(v.shape)} for a parameter of shape "
+                                        f"{tuple(p.shape)} (saved for another drafter)")
+                if name != "step" and not isinstance(v, torch.Tensor):
+                    raise DraftlabError(f"{path}: optimizer state '{name}' is a {type(v).__name__}, not a tensor")
+
+
+def _load_scheduler(scheduler, saved: dict, path: Path) -> None:
+    """The learning-rate schedule's position; its fields checked against this run's scheduler."""
+    own = scheduler.state_dict()
+    missing = [k for k in ("last_epoch", "base_lrs", "lr_lambdas") if k in own and k not in saved]
+    if missing:
+        raise DraftlabError(f"{path}: scheduler state lacks {missing[:3]}")
+    for k in ("last_epoch", "_step_count"):
+        v = saved.get(k)
+        if k in own and (isinstance(v, bool) or not isinstance(v, int)):
+            raise DraftlabError(f"{path}: scheduler field '{k}' must be an integer, got {type(v).__name__}")
+    for k in ("base_lrs", "_last_lr"):
+        v = saved.get(k)
+        if k in own and (not isinstance(v, list) or len(v) != len(own[k])
+                         or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+            raise DraftlabError(f"{path}: scheduler field '{k}' must be a list of {len(own[k])} number(s)")
+    with _loading(path):
+        scheduler.load_state_dict(dict(saved))

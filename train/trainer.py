@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from draftlab import atomic
 from draftlab import checkpoint as ckpt
 from draftlab.atomic import publish, write_json
 from draftlab.data.dataset import batches_by_tokens, collate
@@ -68,8 +69,7 @@ class MetricLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        atomic.append_text(self.path, json.dumps(record) + "\n")
         flat = {}
         for k, v in record.items():
             if isinstance(v, list):
@@ -145,51 +145,74 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, metrics: dict) -> Path:
-        """All ranks call this; rank files first, then the main process publishes atomically."""
+        """All ranks call this; rank files first, then the main process publishes atomically. A write
+        that fails (full disk, unwritable directory) removes the staging directory and is a one-line
+        DraftlabError: the checkpoints already published stay as they were."""
         final = ckpt.step_dir(self.run_dir, self.step)
         staging = self.run_dir / "checkpoints" / f".staging-{self.step:07d}"
         trainer_dir = staging / "trainer"
-        if self.accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-            trainer_dir.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        write_json(trainer_dir / f"rng-rank{self.rank}.json", rng.get_state())
-        # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights); the main process writes.
-        weights = self.accelerator.get_state_dict(self.model)
-        self.opt_state.save(trainer_dir)
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            drafter = self.accelerator.unwrap_model(self.model)
-            meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
-            ckpt.save_weights(staging, weights, meta)
-            write_json(
-                trainer_dir / "state.json",
-                {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
-                 "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
-            )
-            publish(staging, final)
+        main = self.accelerator.is_main_process
+        try:
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+                atomic.make_dir(trainer_dir)
+            self.accelerator.wait_for_everyone()
+            write_json(trainer_dir / f"rng-rank{self.rank}.json", rng.get_state())
+            # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights); the main process writes.
+            weights = self.accelerator.get_state_dict(self.model)
+            self.opt_state.save(trainer_dir)
+            self.accelerator.wait_for_everyone()
+            if main:
+                drafter = self.accelerator.unwrap_model(self.model)
+                meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
+                ckpt.save_weights(staging, weights, meta)
+                write_json(
+                    trainer_dir / STATE,
+                    {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
+                     "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
+                )
+                publish(staging, final)
+        except BaseException as e:
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(e, OSError) or _is_safetensors_error(e):  # save_file reports a full disk as its own error
+                raise DraftlabError(f"{final}: cannot write the checkpoint ({atomic.reason(e)})") from None
+            raise
         self.accelerator.wait_for_everyone()
         return final
 
+    def clean_leftovers(self) -> None:
+        """Staging directories of a run killed while writing a checkpoint (never read)."""
+        d = self.run_dir / "checkpoints"
+        if self.accelerator.is_main_process and d.is_dir():
+            for p in list(d.glob(".staging-*")) + list(d.glob(".tmp-*")):
+                shutil.rmtree(p, ignore_errors=True)
+
     def resume(self) -> None:
+        """Continue from the last checkpoint in ``output_dir``. Everything read back is checked
+        first: a damaged or foreign file is a one-line DraftlabError naming it."""
         found = ckpt.list_checkpoints(self.run_dir)
         if not found:
             return
         last = found[-1]
-        state_file = last / "trainer" / "state.json"
+        state_file = last / "trainer" / STATE
         if not state_file.is_file():
             raise DraftlabError(f"{last}: checkpoint has no trainer state (cannot resume); use a new output_dir")
-        state = json.loads(state_file.read_text())
+        state = read_state(state_file)
+        dir_step = _dir_step(last)
+        if dir_step is not None and state["step"] != dir_step:
+            raise DraftlabError(f"{state_file}: step {state['step']} does not match its checkpoint directory {last.name}")
         if state["fingerprint"] != self.recipe.fingerprint():
             raise DraftlabError(
-                f"output_dir {self.run_dir} holds a run of a different recipe; use a new output_dir or the same recipe"
+                f"output_dir {self.run_dir} holds a run of a different recipe ({state_file}: fingerprint "
+                f"{state['fingerprint']!r}); use a new output_dir or the same recipe"
             )
         drafter, _ = ckpt.load_drafter(last, self.target, dtype=torch.float32)
         self.opt_state.load(last / "trainer", drafter.state_dict(), state)
-        rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
-        if state["world_size"] == self.world and rng_file.is_file():
-            rng.set_state(json.loads(rng_file.read_text()))
-        self.step, self.elapsed, self.best_tau = state["step"], state["elapsed_s"], state.get("best_tau")
+        if state["world_size"] == self.world:  # the same ranks draw on from where they were
+            rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
+            rng.set_state(ckpt.read_json(rng_file), rng_file)
+        self.step, self.elapsed, self.best_tau = state["step"], float(state["elapsed_s"]), state.get("best_tau")
         if self.accelerator.is_main_process:
             print(f"resumed from {last} (step {self.step})", flush=True)
 
@@ -204,23 +227,21 @@ class Trainer:
     def mark_best(self, path: Path, tau: float | None) -> None:
         if tau is None or (self.best_tau is not None and tau <= self.best_tau):
             return
+        with atomic.directory(self.run_dir / "checkpoints" / "best") as tmp:
+            shutil.copytree(path, tmp, dirs_exist_ok=True)
         self.best_tau = tau
-        link = self.run_dir / "checkpoints" / "best"
-        tmp = self.run_dir / "checkpoints" / ".best-tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(path, tmp)
-        publish(tmp, link)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
         t = self.recipe.train
+        atomic.writable_dir(self.run_dir, "output_dir")
         self.resume()
+        self.clean_leftovers()
         main = self.accelerator.is_main_process
         if main:
             owned = backends.owned_weight_fraction(self.model)
             print(f"distributed: {backends.describe(self.accelerator)}, world size {self.world}, "
                   f"rank 0 owns {owned:.0%} of the drafter weights", flush=True)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricLogger(self.run_dir, self.recipe, main)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.recipe.algorithm}", dynamic_ncols=True)
         stream = self.micro_batches(self.step)
@@ -306,13 +327,61 @@ class Trainer:
                 self.model.train()
                 if report:
                     logger.log({"step": self.step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup")})
-                    self.mark_best(path, report["tau"])
-                    # the checkpoint's JSON carries the measured acceptance (model cards read it)
+                    # the checkpoint's JSON carries the measured acceptance (model cards read it), best's copy too
                     meta = ckpt.read_meta(path)
                     meta["metrics"]["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
                     write_json(path / ckpt.META, meta)
+                    self.mark_best(path, report["tau"])
             self.accelerator.wait_for_everyone()
         self.prune()
+
+
+STATE = "state.json"
+# state.json fields: name -> (accepted types, required); bool is no number here
+_STATE_FIELDS = {
+    "step": ((int,), True),
+    "elapsed_s": ((int, float), True),
+    "world_size": ((int,), True),
+    "fingerprint": ((str,), True),
+    "optimizer_layout": ((str,), False),  # absent in checkpoints from before DeepSpeed/FSDP support: torch
+    "best_tau": ((int, float, type(None)), False),
+}
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's ``trainer/state.json``, every field of its type (a one-line error naming the file)."""
+    state = ckpt.read_json(path)
+    for name, (types, required) in _STATE_FIELDS.items():
+        if name not in state:
+            if required:
+                raise DraftlabError(f"{path}: field '{name}' is missing (not a draftlab trainer state)")
+            continue
+        v = state[name]
+        if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, float) and not math.isfinite(v)):
+            want = " or ".join("null" if t is type(None) else {"int": "an integer", "float": "a number", "str": "a string"}[t.__name__]
+                               for t in types)
+            raise DraftlabError(f"{path}: field '{name}' must be {want}, got {json.dumps(v)[:40]}")
+    for name in ("step", "elapsed_s"):
+        if state[name] < 0:
+            raise DraftlabError(f"{path}: field '{name}' must not be negative, got {state[name]}")
+    if state["world_size"] < 1:
+        raise DraftlabError(f"{path}: field 'world_size' must be at least 1, got {state['world_size']}")
+    return state
+
+
+def _dir_step(path: Path) -> int | None:
+    try:
+        return int(path.name.split("-")[-1])
+    except ValueError:
+        return None
+
+
+def _is_safetensors_error(e: BaseException) -> bool:
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return False
+    return isinstance(e, SafetensorError)
 
 
 def _accumulate(agg: dict, metrics: dict, n: int) -> None:
