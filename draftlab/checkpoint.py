@@ -9,6 +9,12 @@ none of them imports the trainer. A checkpoint is a directory::
 
 written to a temporary sibling and renamed into place (``draftlab.atomic``), so a kill never
 leaves half a checkpoint.
+
+:func:`check_drafter` is the one validation of what a checkpoint says about its drafter: the
+family's metadata schema (``Drafter.Meta``, checked against the target) and the tensor-valued
+metadata among the weights (``Drafter.check_state``: vocabulary maps). The writer applies it
+before writing, the reader before building anything, and import and export before writing their
+output: a checkpoint it refuses is never written, and one it accepts builds a drafter that decodes.
 """
 
 from __future__ import annotations
@@ -28,8 +34,26 @@ META = "draftlab.json"
 WEIGHTS = "model.safetensors"
 
 
-def save_weights(tmp: Path, state: dict, meta: dict) -> None:
-    """``state``: the drafter's full (gathered) state dict; ``meta`` from :func:`checkpoint_meta`."""
+def check_drafter(algorithm: str, drafter_meta, target, where, state: dict | None = None, state_where=None):
+    """``(family, validated drafter meta)`` for the ``algorithm`` family's ``drafter_meta`` next
+    to ``target`` (a ``Target``, ``TargetFacts`` or target identity), checking the tensor-valued
+    metadata among the weights ``state`` too when given. Every refusal is one DraftlabError line
+    naming ``where`` (``state_where`` for the weights) and the field."""
+    from draftlab.models.drafter import DRAFTERS
+
+    family = DRAFTERS.get(algorithm, f"{where}: algorithm")
+    meta = family.check_meta(drafter_meta, target, str(where))
+    if state is not None:
+        family.check_state(meta, state, target, str(state_where or where))
+    return family, meta
+
+
+def save_weights(tmp: Path, state: dict, meta: dict, where=None) -> None:
+    """``state``: the drafter's full (gathered) state dict; ``meta`` from :func:`checkpoint_meta`.
+    Refused (nothing written) unless :func:`check_drafter` accepts them for the target ``meta``
+    names; ``where`` names the checkpoint in that error (default: the staging directory)."""
+    where = where or tmp
+    check_drafter(meta["algorithm"], meta["drafter"], meta["target"], f"{where}/{META}", state, f"{where}/{WEIGHTS}")
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, tmp / WEIGHTS, metadata={"format": FORMAT, "algorithm": meta["algorithm"]})
     write_json(tmp / META, {"format": FORMAT, **meta})
@@ -122,21 +146,19 @@ def load_state_exactly(module: torch.nn.Module, state: dict[str, torch.Tensor], 
 
 def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
     """Rebuild a drafter from a checkpoint for ``target`` (which must match the one it was trained on), in
-    ``dtype`` (default: the target's; resume asks for float32 so fp32 master weights survive a bf16 target)."""
+    ``dtype`` (default: the target's; resume asks for float32 so fp32 master weights survive a bf16 target).
+    Evaluation, decoding, resume and export all load through here."""
     from pydantic import ValidationError
-
-    from draftlab.models.drafter import DRAFTERS
 
     path = Path(path)
     meta = read_meta(path)
     check_target(meta, target, str(path))
-    family = DRAFTERS.get(meta["algorithm"], f"{path / META}: algorithm")
-    try:
-        drafter = family.from_meta(meta["drafter"], target)
-    except (KeyError, TypeError, ValueError, ValidationError) as e:
-        what = f"lacks {e}" if isinstance(e, KeyError) else f"is malformed ({str(e).splitlines()[0]})"
-        raise DraftlabError(f"{path / META}: drafter meta {what}") from None
     state = read_weights(path / WEIGHTS, target.device)
+    family, dmeta = check_drafter(meta["algorithm"], meta["drafter"], target, path / META, state, path / WEIGHTS)
+    try:
+        drafter = family.from_meta(dmeta, target)
+    except (KeyError, TypeError, ValueError, ValidationError) as e:  # what the schema cannot see (a RoPE spec HF refuses)
+        raise DraftlabError(f"{path / META}: drafter meta is malformed ({str(e).splitlines()[0]})") from None
     load_state_exactly(drafter, state, path / WEIGHTS, family.derived_keys)
     return drafter.to(dtype or target.dtype).eval(), meta
 

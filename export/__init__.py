@@ -27,7 +27,9 @@ Every export refuses a checkpoint trained for another target (``draftlab.checkpo
 refuses drafters the layout cannot hold exactly (each refusal names the reason), is written
 atomically and carries a model card (``model_card.py``) whose numbers come only from the
 checkpoint's measured ``metrics.eval``. Imports are the inverse mappings and fail on any
-missing or unknown tensor, listing the names.
+missing or unknown tensor, listing the names. Both apply the checkpoint validation
+(``draftlab.checkpoint.check_drafter``: the family's ``Meta`` schema and its vocabulary maps)
+before writing anything, so neither writes what loading would refuse.
 
 Aux-layer indices: draftlab's ``aux_layers``, speculators' and vLLM's
 ``eagle_aux_hidden_state_layer_ids`` are HF ``hidden_states`` indices (the input of decoder

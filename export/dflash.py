@@ -252,7 +252,7 @@ class ZlabDFlash(Format):
         block_size = _int(dc.get("block_size", config.get("block_size")), where, "block_size", 2)
         mask = _int(dc.get("mask_token_id"), where, "dflash_config.mask_token_id", 0, V - 1)
         ids = dc.get("target_layer_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
             raise DraftlabError(f"{where}: missing dflash_config.target_layer_ids (a list of layer ids)")
         vocab_maps(tensors, V, V, where)
         return _meta(shape, cfg, target, V, [i + 1 for i in ids], block_size, mask, where, "dflash_config.target_layer_ids (+1)")

@@ -101,6 +101,8 @@ class SGLangEagle3(Format):
             raise DraftlabError(f"{where}: vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
         L = target.num_layers
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and (not isinstance(ids, list) or any(type(i) is not int for i in ids)):
+            raise DraftlabError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {ids!r} is not a list of integers")
         aux = [i + 1 for i in ids] if ids is not None else Eagle3Drafter.default_aux_layers(L)  # see module docstring
         bad = [i for i in aux if not 1 <= i <= L - 1]
         if bad:
@@ -110,11 +112,12 @@ class SGLangEagle3(Format):
             vd = target.vocab_size
             if "lm_head.weight" not in tensors:
                 tensors["lm_head.weight"] = target.lm_head.weight.detach().cpu().float()
-        vocab_maps(tensors, target.vocab_size, int(vd), where)
+        Eagle3Drafter.check_fields({"aux_layers": aux, "draft_vocab_size": vd}, target, where)  # before they are used
+        vocab_maps(tensors, target.vocab_size, vd, where)
         return {
             "shape": shape.model_dump(),
             "vocab_size": target.vocab_size,
-            "draft_vocab_size": int(vd),
+            "draft_vocab_size": vd,
             "aux_layers": aux,
             "num_layers": 1,
             "num_target_layers": L,

@@ -117,11 +117,12 @@ class SpeculatorsEagle3(Format):
             raise DraftlabError(f"{where}: transformer_layer_config.vocab_size {cfg.vocab_size} != target vocab {target.vocab_size}")
         L = target.num_layers
         aux = config.get("eagle_aux_hidden_state_layer_ids") or Eagle3Drafter.default_aux_layers(L)  # speculators' default
+        vd = config.get("draft_vocab_size") or target.vocab_size
+        Eagle3Drafter.check_fields({"aux_layers": aux, "draft_vocab_size": vd}, target, where)  # before they are used
         bad = [i for i in aux if not 1 <= i <= L - 1]
         if bad:
             raise DraftlabError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} must lie in 1..{L - 1} for this target")
         num_layers = cfg.num_hidden_layers
-        vd = int(config.get("draft_vocab_size") or target.vocab_size)
         if cfg.model_type == "llama" and shape.attention_bias:
             take_zero_bias(tensors, [f"layers.{i}.self_attn.o_proj.bias" for i in range(num_layers)], where)
         vocab_maps(tensors, target.vocab_size, vd, where)

@@ -29,9 +29,10 @@ def load_target(target, device: str = "cpu"):
 def export_checkpoint(checkpoint, engine: str, out, target="default", opts: ExportOptions | None = None, overwrite: bool = False) -> Path:
     """Write ``checkpoint`` (a draftlab checkpoint directory) as ``engine``'s layout to ``out``
     atomically, with a model card. ``target`` is a spec string or a loaded ``Target``; a
-    checkpoint trained for another target is refused."""
+    checkpoint trained for another target is refused, and so is a drafter whose export form
+    (``export_meta``, ``export_state_dict``) the checkpoint validation refuses."""
     from draftlab import atomic
-    from draftlab.checkpoint import load_drafter, read_meta
+    from draftlab.checkpoint import check_drafter, load_drafter, read_meta
     from draftlab.export.model_card import render
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -44,6 +45,7 @@ def export_checkpoint(checkpoint, engine: str, out, target="default", opts: Expo
     target = load_target(target)
     drafter, meta = load_drafter(checkpoint, target)
     meta = {**meta, "drafter": drafter.export_meta()}  # the weights are written in export form
+    check_drafter(meta["algorithm"], meta["drafter"], target, f"{checkpoint} (as exported)", drafter.export_state_dict())
     fmt.check_exportable(drafter, target)
     with atomic.directory(out) as tmp:
         fmt.save(tmp, drafter, target, meta, opts)

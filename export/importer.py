@@ -3,7 +3,10 @@ checkpoint (evaluate it, fine-tune it, re-export it). ``NAME`` is any registered
 (``export.formats.IMPORT_FORMATS``).
 
 Each format's inverse mapping renames the tensors; the result must match the rebuilt drafter's
-state dict *exactly*: a missing or unknown tensor is an error naming it, never skipped.
+state dict *exactly*: a missing or unknown tensor is an error naming it, never skipped. The
+drafter meta the format reads, and the vocabulary maps among the tensors, pass the checkpoint
+validation (``draftlab.checkpoint.check_drafter``) before anything is built or written: an import
+never writes a checkpoint that loading would refuse.
 """
 
 from __future__ import annotations
@@ -25,10 +28,9 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     """Convert the ``format_name`` checkpoint directory ``src`` for ``target`` (a spec or a
     loaded ``Target``) into a draftlab checkpoint at ``out`` (written atomically)."""
     from draftlab import atomic
-    from draftlab.checkpoint import checkpoint_meta, save_weights
+    from draftlab.checkpoint import check_drafter, checkpoint_meta, save_weights
     from draftlab.export.exporter import check_out_dir, load_target
     from draftlab.export.formats import check_embedding, import_format, read_config
-    from draftlab.models.drafter import DRAFTERS
 
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -48,7 +50,8 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     where = f"{src} ({format_name})"
     check_embedding(tensors, target, where)
     dmeta = fmt.import_meta(config, tensors, target)
-    drafter = DRAFTERS.get(fmt.algorithm).from_meta(dmeta, target)
+    family, dmeta = check_drafter(fmt.algorithm, dmeta, target, where, tensors)
+    drafter = family.from_meta(dmeta, target)
     expected = drafter.export_state_dict()
     missing = sorted(fmt.to_format(k) for k in set(expected) - set(tensors))
     unknown = sorted(fmt.to_format(k) for k in set(tensors) - set(expected))
@@ -63,7 +66,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     meta = checkpoint_meta(drafter, target.identity, recipe=None, step=0)
     meta["imported_from"] = {"format": format_name, "path": str(src)}
     with atomic.directory(out) as tmp:
-        save_weights(tmp, drafter.export_state_dict(), meta)
+        save_weights(tmp, drafter.export_state_dict(), meta, where=out)
     return out
 
 

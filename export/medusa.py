@@ -34,6 +34,7 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.export.formats import ExportOptions, Format, read_torch_tensors, register, vocab_maps
+from draftlab.models.medusa import MedusaDrafter
 
 VOCAB_MAPS = ("d2t", "t2d")  # draftlab's form of the draft vocabulary; each layout has its own
 
@@ -118,6 +119,8 @@ class VllmMedusa(Format):
                 f"{where}: num_heads {num_heads!r}, num_hidden_layers {num_layers!r} and truncated_vocab_size {vd!r} must be "
                 f"integers >= 1, truncated_vocab_size at most vocab_size {V}"
             )
+        # the counts this reader loops over, bounded by the drafter's schema first (num_hidden_layers is its num_layers)
+        MedusaDrafter.check_fields({"num_heads": num_heads, "num_layers": num_layers, "draft_vocab_size": vd}, target, where)
         self._lm_heads(config, tensors, num_heads, where)
         self._vocabulary(tensors, num_heads, V, vd, where)
         self._biases(config, tensors, num_heads, num_layers, H, where)
@@ -256,6 +259,8 @@ class FasterDecodingMedusa(Format):
             if not isinstance(v, int) or v < 1:
                 raise DraftlabError(f"{where}: {k} must be an integer >= 1, got {v!r}")
         num_heads, L = counts.values()
+        # the counts this reader loops over, bounded by the drafter's schema first
+        MedusaDrafter.check_fields({"num_heads": num_heads, "num_layers": L}, target, where)
         for h in range(num_heads):  # the projection is module L of head h's Sequential
             w = tensors.pop(f"{h}.{L}.weight", None)
             if w is None:

@@ -19,16 +19,30 @@ speculators' ``aux_hidden_state_layer_ids``; z-lab's ``target_layer_ids`` are on
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from draftlab.errors import DraftlabError
 from draftlab.losses.diffusion import LOSSES, block_loss, distribution_terms, expected_streak, token_terms
 from draftlab.losses.eagle import shift_left
-from draftlab.models.drafter import DRAFTERS, Drafter
+from draftlab.models.drafter import (
+    DRAFTERS,
+    MAX_BLOCK_SIZE,
+    Count,
+    DecoderInputIndex,
+    Distinct,
+    Drafter,
+    DrafterDepth,
+    DrafterMeta,
+    DraftVocabSize,
+    ShapeMeta,
+    TargetNumLayers,
+    TargetVocabSize,
+    TokenId,
+)
 from draftlab.models.feature_scale import fill_measured_buffers
 from draftlab.models.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, rope
 
@@ -52,6 +66,19 @@ class DiffusionConfig(BaseModel):
     mask_token_id: int | None = Field(
         None, description="target-vocabulary id of the mask token; default: the highest id that never occurs in the training data"
     )
+
+
+class DiffusionMeta(DrafterMeta):
+    shape: ShapeMeta
+    vocab_size: TargetVocabSize
+    draft_vocab_size: DraftVocabSize
+    # what serving engines capture (export/formats.py serving_aux_ids), each once, ascending
+    target_layers: Annotated[list[DecoderInputIndex], Distinct(ascending=True)]
+    num_layers: DrafterDepth
+    block_size: Count(2, MAX_BLOCK_SIZE, "the anchor and up to 1023 drafts")
+    mask_token_id: TokenId
+    num_target_layers: TargetNumLayers
+    normalize_fc_input: StrictBool = False
 
 
 class DiffusionLoss(BaseModel):
@@ -81,6 +108,8 @@ class DiffusionDrafter(Drafter):
     algorithm = "diffusion"
     Config = DiffusionConfig
     Loss = DiffusionLoss
+    Meta = DiffusionMeta
+    vocab_maps = ("d2t", "t2d")
     derived_keys = ("rotary.",)  # RoPE tables are rebuilt from the layer shape
 
     def __init__(
@@ -88,11 +117,6 @@ class DiffusionDrafter(Drafter):
         block_size: int, mask_token_id: int, normalize_fc_input: bool = False,
     ):
         super().__init__()
-        # a checkpoint's or import's meta reaches here unvalidated: refuse what cannot be built
-        if num_layers < 1 or block_size < 2 or not target_layers:
-            raise ValueError(f"need num_layers >= 1, block_size >= 2 and target layers, got {num_layers}, {block_size}, {target_layers}")
-        if not 1 <= draft_vocab_size <= vocab_size or not 0 <= mask_token_id < vocab_size:
-            raise ValueError(f"draft_vocab_size {draft_vocab_size} or mask_token_id {mask_token_id} is outside the vocabulary of {vocab_size}")
         H = shape.hidden_size
         self.shape, self.vocab_size, self.draft_vocab_size = shape, vocab_size, draft_vocab_size
         self.target_layers, self.block_size, self.mask_token_id = list(target_layers), block_size, mask_token_id
@@ -130,30 +154,31 @@ class DiffusionDrafter(Drafter):
         return sorted(set(cls.default_target_layers(num_target_layers, DiffusionConfig().num_layers)) | {num_target_layers})
 
     @classmethod
-    def build(cls, cfg: DiffusionConfig, target, samples=None) -> "DiffusionDrafter":
-
+    def config_meta(cls, cfg: DiffusionConfig, target, samples=None) -> dict:
         L, V = target.num_layers, target.vocab_size
-        layers = cfg.target_layers or cls.default_target_layers(L, cfg.num_layers)
-        # what serving engines can capture (export/formats.py serving_aux_ids): refuse it now, not at export
-        if any(not 1 <= i <= L - 1 for i in layers) or layers != sorted(set(layers)):
-            raise DraftlabError(f"drafter.target_layers {layers}: need distinct ascending indices within 1..{L - 1} (decoder-layer inputs)")
-        vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
-        mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(samples, V)
-        if not 0 <= mask_id < V:
-            raise DraftlabError(f"drafter.mask_token_id: {mask_id} is outside the target vocabulary 0..{V - 1}")
-        m = cls(dflash_shape(target.config), V, vd, layers, cfg.num_layers, cfg.block_size, mask_id, cfg.normalize_fc_input)
-        m.num_target_layers = L
-        fill_measured_buffers(m, target, layers, samples, cfg.normalize_fc_input, V, vd)
-        with torch.no_grad():
-            if cfg.init_from_target:
-                m.init_from_target(target)
-            else:  # identity layers (zero output projections): the block's embeddings read out
-                for layer in m.layers:
-                    layer.self_attn.o_proj.weight.zero_()
-                    layer.mlp.down_proj.weight.zero_()
-            if m.lm_head is not None:  # start as the target's own read-out of the draft vocabulary
-                m.lm_head.weight.copy_(target.lm_head.weight[m.t2d.to(target.device)].float())
-        return m.attach(target)
+        return {
+            "shape": dflash_shape(target.config).model_dump(),
+            "vocab_size": V,
+            "draft_vocab_size": cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V,
+            "target_layers": cfg.target_layers or cls.default_target_layers(L, cfg.num_layers),
+            "num_layers": cfg.num_layers,
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(samples, V),
+            "num_target_layers": L,
+            "normalize_fc_input": cfg.normalize_fc_input,
+        }
+
+    @torch.no_grad()
+    def init_weights(self, cfg: DiffusionConfig, target, samples=None) -> None:
+        fill_measured_buffers(self, target, self.target_layers, samples, cfg.normalize_fc_input, self.vocab_size, self.draft_vocab_size)
+        if cfg.init_from_target:
+            self.init_from_target(target)
+        else:  # identity layers (zero output projections): the block's embeddings read out
+            for layer in self.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        if self.lm_head is not None:  # start as the target's own read-out of the draft vocabulary
+            self.lm_head.weight.copy_(target.lm_head.weight[self.t2d.to(target.device)].float())
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -197,11 +222,9 @@ class DiffusionDrafter(Drafter):
 
     @classmethod
     def from_meta(cls, meta: dict, target) -> "DiffusionDrafter":
-        if meta["shape"]["hidden_size"] != target.hidden_size:
-            raise ValueError(f"hidden_size {meta['shape']['hidden_size']} is not the target's {target.hidden_size}")
         m = cls(
             LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["target_layers"], meta["num_layers"],
-            meta["block_size"], meta["mask_token_id"], meta.get("normalize_fc_input", False),
+            meta["block_size"], meta["mask_token_id"], meta["normalize_fc_input"],
         )
         m.num_target_layers = meta["num_target_layers"]
         return m.attach(target)

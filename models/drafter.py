@@ -6,29 +6,353 @@ proposer for the decoder (``inference.proposer.PROPOSERS``, same name, which als
 decoding shapes the family supports), export and import formats (``export.formats``) and a thin
 ``train/<family>.py`` entry point. Nothing shared names a family.
 
+A family declares its checkpoint metadata (what ``meta()`` writes and ``from_meta`` reads) as a
+schema, ``Meta``: strict types (an integer is an integer, not a bool, a float or a string) and
+bounds from the types below, several relative to the target (:class:`TargetFacts`, given to the
+validators as pydantic validation context). :meth:`Drafter.check_meta` applies it, and
+``draftlab.checkpoint.check_drafter`` applies it, with :meth:`Drafter.check_state` for the
+tensor-valued metadata in the weights (vocabulary maps), on every path: build, the checkpoint
+writer, load (eval, generate, resume), import and export. A checkpoint that passes builds a
+drafter that decodes.
+
 Shapes below: B batch rows, T positions, H the target's hidden size, V the target's vocabulary.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, ClassVar
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError, core_schema
 
+from draftlab.errors import DraftlabError
+from draftlab.models.layers import LayerShape
 from draftlab.registry import Registry
 
 DRAFTERS: Registry[type["Drafter"]] = Registry("drafter family", key="algorithm")
+
+
+# ============================================================================ metadata schemas
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """The target facts a drafter's metadata is checked against."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    model_type: str = ""
+
+    @classmethod
+    def of(cls, target) -> "TargetFacts":
+        """From a ``models.target.Target`` (anything with ``num_layers``, ``hidden_size`` and
+        ``vocab_size``), a ``TargetFacts``, or a target identity as checkpoints store it."""
+        if isinstance(target, TargetFacts):
+            return target
+        if isinstance(target, dict):
+            for k in ("num_hidden_layers", "hidden_size", "vocab_size"):
+                if type(target.get(k)) is not int or target[k] < 1:
+                    raise DraftlabError(f"target identity: {k} is missing or not a positive integer ({target.get(k)!r})")
+            return cls(target["num_hidden_layers"], target["hidden_size"], target["vocab_size"], str(target.get("model_type", "")))
+        model_type = getattr(getattr(target, "config", None), "model_type", "")
+        return cls(target.num_layers, target.hidden_size, target.vocab_size, model_type)
+
+
+def _facts(info: ValidationInfo) -> TargetFacts:
+    target = (info.context or {}).get("target")
+    if not isinstance(target, TargetFacts):  # a programming error: validate through Drafter.check_meta
+        raise RuntimeError("drafter metadata validated without the target's facts (use Drafter.check_meta)")
+    return target
+
+
+Bound = int | Callable[[TargetFacts], int]
+
+
+class _Check:
+    """Annotated metadata that validates the (already type-checked) value with the target's facts."""
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return core_schema.with_info_after_validator_function(lambda v, info: self.check(v, _facts(info)), handler(source))
+
+    def check(self, value, facts: TargetFacts):
+        raise NotImplementedError
+
+
+class Range(_Check):
+    """An integer in ``lo..hi`` (inclusive); either bound may be a function of the target's facts.
+    ``what`` says what the range is, in the error."""
+
+    def __init__(self, lo: Bound, hi: Bound, what: str):
+        self.lo, self.hi, self.what = lo, hi, what
+
+    def bounds(self, facts: TargetFacts) -> tuple[int, int]:
+        return tuple(b(facts) if callable(b) else b for b in (self.lo, self.hi))
+
+    def check(self, value, facts):
+        lo, hi = self.bounds(facts)
+        if not lo <= value <= hi:
+            raise PydanticCustomError("meta_range", "is outside {lo}..{hi} ({what})", {"lo": lo, "hi": hi, "what": self.what})
+        return value
+
+
+class TargetValue(_Check):
+    """Equal to the target's ``fact`` (a :class:`TargetFacts` field); ``what`` names it."""
+
+    def __init__(self, fact: str, what: str):
+        self.fact, self.what = fact, what
+
+    def expected(self, facts: TargetFacts):
+        return getattr(facts, self.fact)
+
+    def check(self, value, facts):
+        want = self.expected(facts)
+        if value != want:
+            raise PydanticCustomError("meta_target", "is not the target's {what} {want}", {"what": self.what, "want": want})
+        return value
+
+
+class Distinct(_Check):
+    """A non-empty list of distinct values, in ascending order if ``ascending``."""
+
+    def __init__(self, ascending: bool = False):
+        self.ascending = ascending
+
+    def check(self, value, facts):
+        if not value:
+            raise PydanticCustomError("meta_list", "is empty", {})
+        if self.ascending and any(a >= b for a, b in zip(value, value[1:])):
+            raise PydanticCustomError("meta_list", "is not in distinct ascending order", {})
+        seen = set()
+        for v in value:
+            if v in seen:
+                raise PydanticCustomError("meta_list", "repeats {v}", {"v": v})
+            seen.add(v)
+        return value
+
+
+# the bounds a size may reach: beyond them a meta is corrupt, not a drafter (say so in the error)
+MAX_HEADS = 64
+MAX_BLOCK_SIZE = 1024
+MAX_POSITIONS = 1 << 24
+WIDTH_FACTOR = 16  # a drafter layer's widths (MLP, attention) are at most this many times the target's hidden size
+
+HiddenStateIndex = Annotated[StrictInt, Range(0, lambda t: t.num_layers, "the target's hidden-state indices")]
+DecoderInputIndex = Annotated[StrictInt, Range(1, lambda t: t.num_layers - 1, "inputs of the target's decoder layers")]
+TokenId = Annotated[StrictInt, Range(0, lambda t: t.vocab_size - 1, "the target vocabulary")]
+DraftVocabSize = Annotated[StrictInt, Range(1, lambda t: t.vocab_size, "at most the target vocabulary")]
+DrafterDepth = Annotated[StrictInt, Range(1, lambda t: t.num_layers, "at most the target's layers")]
+TargetVocabSize = Annotated[StrictInt, TargetValue("vocab_size", "vocabulary size")]
+TargetHiddenSize = Annotated[StrictInt, TargetValue("hidden_size", "hidden size")]
+TargetNumLayers = Annotated[StrictInt, TargetValue("num_layers", "number of layers")]
+PositiveFloat = Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)]
+
+
+def Count(lo: Bound, hi: Bound, what: str):  # noqa: N802 - a type
+    """An integer count in ``lo..hi``."""
+    return Annotated[StrictInt, Range(lo, hi, what)]
+
+
+HeadCount = Count(1, lambda t: t.hidden_size, "at most the target's hidden size")
+LayerWidth = Count(1, lambda t: WIDTH_FACTOR * t.hidden_size, f"at most {WIDTH_FACTOR} times the target's hidden size")
+PositionCount = Count(1, MAX_POSITIONS, "positions a RoPE table covers")
+
+
+class DrafterMeta(BaseModel):
+    """Base of every family's ``Meta``: unknown fields are refused, types are strict."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ShapeMeta(LayerShape):
+    """A drafter's decoder-layer shape (``models.layers.LayerShape``) as metadata: strict, the
+    target's hidden size, widths bounded by it, a head layout the attention can run."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_type: StrictStr
+    hidden_size: TargetHiddenSize
+    intermediate_size: LayerWidth
+    num_attention_heads: HeadCount
+    num_key_value_heads: HeadCount
+    head_dim: LayerWidth
+    rms_norm_eps: PositiveFloat
+    hidden_act: StrictStr = "silu"
+    attention_bias: StrictBool = False
+    qk_norm: StrictBool = False
+    max_position_embeddings: PositionCount
+    rope: dict[str, Any]
+
+    @field_validator("model_type")
+    @classmethod
+    def _family(cls, v):
+        from draftlab.models.target import SUPPORTED_MODEL_TYPES
+
+        if v not in SUPPORTED_MODEL_TYPES:
+            raise PydanticCustomError("meta_choice", "is not a supported layer family ({families})", {"families": ", ".join(SUPPORTED_MODEL_TYPES)})
+        return v
+
+    @field_validator("hidden_act")
+    @classmethod
+    def _silu(cls, v):
+        if v != "silu":
+            raise PydanticCustomError("meta_choice", "is not silu (the only activation of draftlab's layers)", {})
+        return v
+
+    @field_validator("num_key_value_heads")
+    @classmethod
+    def _groups(cls, v, info: ValidationInfo):
+        heads = info.data.get("num_attention_heads")
+        if heads is not None and heads % v:
+            raise PydanticCustomError("meta_range", "does not divide num_attention_heads {heads}", {"heads": heads})
+        return v
+
+    @field_validator("head_dim")
+    @classmethod
+    def _even(cls, v):
+        if v % 2:
+            raise PydanticCustomError("meta_range", "is odd (RoPE rotates pairs of channels)", {})
+        return v
+
+
+# rendering of pydantic's error types as the end of "drafter.<field> = <value> ..."
+_TYPE_ERRORS = {
+    "int_type": "is not an integer", "int_parsing": "is not an integer", "int_from_float": "is not an integer",
+    "bool_type": "is not true or false", "bool_parsing": "is not true or false",
+    "float_type": "is not a number", "float_parsing": "is not a number", "finite_number": "is not a finite number",
+    "string_type": "is not a string", "list_type": "is not a list",
+    "dict_type": "is not an object", "model_type": "is not an object", "model_attributes_type": "is not an object",
+}
+
+
+def _show(value) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def meta_error(e: ValidationError, where: str, algorithm: str, prefix: tuple = ()) -> DraftlabError:
+    """One line for the first error of a metadata validation: ``<where>: drafter.<field> =
+    <value> <what is wrong>`` (``prefix``: the location of what was validated, for a part)."""
+    err = e.errors(include_url=False)[0]
+    loc = prefix + tuple(err["loc"])
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    at = f"{where}: " if where else ""
+    kind = err["type"]
+    if kind == "missing":
+        return DraftlabError(f"{at}drafter meta lacks '{path[1:]}'")
+    if kind == "extra_forbidden":
+        return DraftlabError(f"{at}drafter{path} is not a field of {algorithm} drafter meta")
+    if kind in _TYPE_ERRORS:
+        text = _TYPE_ERRORS[kind]
+    elif kind.startswith("meta_"):
+        text = err["msg"]
+    else:  # pydantic's own: "Input should be greater than 0", "Value error, ..."
+        msg = err["msg"].removeprefix("Value error, ").removeprefix("Input ")
+        text = msg[:1].lower() + msg[1:]
+    return DraftlabError(f"{at}drafter{path} = {_show(err['input'])} {text}")
+
+
+def check_vocab_maps(state: dict, names: tuple[str, str], vocab_size: int, draft_vocab_size, where: str = "") -> None:
+    """The draft vocabulary maps of ``state`` (``data/vocab.py``): ``d2t`` [V_draft] offsets
+    whose target ids ``i + d2t[i]`` lie in the target vocabulary, strictly ascending (draft ids
+    are the kept target ids in order), and ``t2d`` Bool[V] true exactly at those ids. A map
+    absent from ``state`` is not checked here (the weights check names missing tensors)."""
+    at = f"{where}: " if where else ""
+    d2t_name, t2d_name = names
+    d2t, t2d = state.get(d2t_name), state.get(t2d_name)
+    V = vocab_size
+    ids = None
+    if d2t is not None:
+        if d2t.dim() != 1 or d2t.is_floating_point() or d2t.dtype == torch.bool:
+            raise DraftlabError(f"{at}{d2t_name} is a {d2t.dtype} tensor of shape {tuple(d2t.shape)}, not a vector of integer offsets")
+        if draft_vocab_size is not None and d2t.numel() != draft_vocab_size:
+            raise DraftlabError(f"{at}{d2t_name} has {d2t.numel()} entries, not draft_vocab_size {draft_vocab_size}")
+        offsets = d2t.detach().cpu().long()
+        ids = torch.arange(offsets.numel()) + offsets
+        outside = ((ids < 0) | (ids >= V)).nonzero().flatten()
+        if outside.numel():
+            i = int(outside[0])
+            raise DraftlabError(
+                f"{at}{d2t_name}[{i}] = {int(offsets[i])} maps draft id {i} to target id {int(ids[i])}, outside the target vocabulary 0..{V - 1}"
+            )
+        down = (ids[1:] <= ids[:-1]).nonzero().flatten()
+        if down.numel():
+            i = int(down[0]) + 1
+            raise DraftlabError(
+                f"{at}{d2t_name}[{i}] = {int(offsets[i])} maps draft id {i} to target id {int(ids[i])}, not above draft id {i - 1}'s "
+                f"{int(ids[i - 1])} (draft ids are the kept target ids in ascending order)"
+            )
+    if t2d is not None:
+        if tuple(t2d.shape) != (V,):
+            raise DraftlabError(f"{at}{t2d_name} has shape {tuple(t2d.shape)}, not ({V},) (the target vocabulary)")
+        if ids is not None:
+            want = torch.zeros(V, dtype=torch.bool)
+            want[ids] = True
+            diff = (t2d.detach().cpu().bool() != want).nonzero().flatten()
+            if diff.numel():
+                j = int(diff[0])
+                raise DraftlabError(
+                    f"{at}{t2d_name}[{j}] = {str(bool(t2d[j])).lower()} disagrees with {d2t_name}: target id {j} is "
+                    f"{'' if want[j] else 'not '}in the draft vocabulary"
+                )
 
 
 class Drafter(nn.Module):
     algorithm: ClassVar[str]  # registry name; the recipe's ``algorithm`` and the checkpoint's
     Config: ClassVar[type[BaseModel]]  # architecture knobs (recipe section ``drafter:``)
     Loss: ClassVar[type[BaseModel]]  # objective knobs (recipe section ``loss:``)
+    # The metadata ``meta()`` writes, as a schema (a ``DrafterMeta``): its field types say what
+    # each value may be, several relative to the target (``TargetFacts`` in the validation context).
+    Meta: ClassVar[type[DrafterMeta]]
+    # Names of the draft-vocabulary maps (d2t, t2d) among the weights, checked by ``check_state``.
+    vocab_maps: ClassVar[tuple[str, str] | None] = None
     # State-dict key prefixes the checkpoint may lack because construction derives them
     # (RoPE tables, say); any other missing key is an error.
     derived_keys: ClassVar[tuple[str, ...]] = ()
+
+    # ---- metadata ------------------------------------------------------------------------
+    @classmethod
+    def check_meta(cls, meta, target, where: str = "") -> dict:
+        """``meta`` validated by ``Meta`` against ``target`` (a ``Target``, ``TargetFacts`` or
+        target identity): the dict ``from_meta`` takes, defaults filled in. Anything else is a
+        one-line DraftlabError ``<where>: drafter.<field> = <value> <what is wrong>``."""
+        try:
+            valid = cls.Meta.model_validate(meta, strict=True, context={"target": TargetFacts.of(target)})
+        except ValidationError as e:
+            raise meta_error(e, where, cls.algorithm) from None
+        return valid.model_dump()
+
+    @classmethod
+    def check_fields(cls, values: dict, target, where: str = "") -> dict:
+        """Some of ``Meta``'s fields, each by its own type (a reader checks the sizes it loops
+        over before the whole meta exists); the same errors as :meth:`check_meta`."""
+        from pydantic import TypeAdapter
+
+        context = {"target": TargetFacts.of(target)}
+        out = {}
+        for name, value in values.items():
+            field = cls.Meta.model_fields[name]
+            kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+            try:
+                out[name] = TypeAdapter(kind).validate_python(value, strict=True, context=context)
+            except ValidationError as e:
+                raise meta_error(e, where, cls.algorithm, (name,)) from None
+        return out
+
+    @classmethod
+    def check_state(cls, meta: dict, state: dict[str, torch.Tensor], target, where: str = "") -> None:
+        """Range-check the tensor-valued metadata among the weights ``state`` for the validated
+        ``meta``: by default the draft-vocabulary maps named by ``vocab_maps``. A family with
+        other index tensors overrides this (and calls it)."""
+        if cls.vocab_maps:
+            check_vocab_maps(state, cls.vocab_maps, TargetFacts.of(target).vocab_size, meta.get("draft_vocab_size"), where)
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -38,21 +362,39 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def build(cls, cfg: BaseModel, target, samples: list[dict]) -> "Drafter":
+    def build(cls, cfg: BaseModel, target, samples: list[dict] | None = None) -> "Drafter":
         """A fresh drafter for ``target`` (a ``models.target.Target``), from its validated
         ``Config``. ``samples`` are the training samples (dicts with ``input_ids`` and
         ``loss_mask``, Long/Bool [T]): what a family measures before training (token counts
         for a reduced vocabulary, feature scales). The result shares the target's frozen
-        weights by reference, never as registered parameters."""
+        weights by reference, never as registered parameters.
+
+        The default: the meta this config describes (:meth:`config_meta`), checked by
+        :meth:`check_meta` before anything is allocated (an error names the recipe field,
+        ``drafter.<field>``), then ``from_meta`` and :meth:`init_weights`."""
+        meta = cls.check_meta(cls.config_meta(cfg, target, samples), target)
+        drafter = cls.from_meta(meta, target)
+        drafter.init_weights(cfg, target, samples)
+        return drafter
+
+    @classmethod
+    def config_meta(cls, cfg: BaseModel, target, samples: list[dict] | None) -> dict:
+        """The ``meta()`` of the drafter :meth:`build` makes from ``cfg`` for ``target``."""
         raise NotImplementedError
+
+    def init_weights(self, cfg: BaseModel, target, samples: list[dict] | None) -> None:
+        """Initialise a drafter ``from_meta`` just made for a fresh start (copies of the
+        target's weights, measured buffers). Default: as constructed."""
 
     @classmethod
     def from_meta(cls, meta: dict, target) -> "Drafter":
-        """Rebuild (weights uninitialised) from ``meta()``'s JSON, next to ``target``."""
+        """Rebuild (weights uninitialised) from ``meta()``'s JSON as :meth:`check_meta` returns
+        it, next to ``target``."""
         raise NotImplementedError
 
     def meta(self) -> dict:
-        """JSON-serialisable: everything ``from_meta`` needs to rebuild this drafter."""
+        """JSON-serialisable: everything ``from_meta`` needs to rebuild this drafter; valid for
+        ``Meta``."""
         raise NotImplementedError
 
     @classmethod

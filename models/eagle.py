@@ -11,13 +11,35 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
 
-from draftlab.errors import DraftlabError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
 from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
-from draftlab.models.drafter import DRAFTERS, Drafter
+from draftlab.models.drafter import (
+    DRAFTERS,
+    Distinct,
+    DraftVocabSize,
+    Drafter,
+    DrafterDepth,
+    DrafterMeta,
+    HiddenStateIndex,
+    ShapeMeta,
+    TargetNumLayers,
+    TargetVocabSize,
+)
 from draftlab.models.feature_scale import fill_measured_buffers
 from draftlab.models.layers import DecoderLayer, DraftKVCache, LayerShape, RMSNorm, Rotary, ttt_attention
+
+
+class EagleMeta(DrafterMeta):
+    """What both EAGLE drafters' checkpoints describe: decoder layers of the target's shape over
+    the target's vocabulary, reading a target of ``num_target_layers`` layers."""
+
+    shape: ShapeMeta
+    vocab_size: TargetVocabSize
+    num_layers: DrafterDepth
+    num_target_layers: TargetNumLayers
 
 
 class EagleBase(Drafter):
@@ -96,6 +118,12 @@ class Eagle3Config(BaseModel):
     )
 
 
+class Eagle3Meta(EagleMeta):
+    draft_vocab_size: DraftVocabSize
+    aux_layers: Annotated[list[HiddenStateIndex], Distinct()]  # fc's input order: any, each once
+    normalize_fc_input: StrictBool = False
+
+
 class Eagle3Loss(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -113,6 +141,8 @@ class Eagle3Drafter(EagleBase):
     algorithm = "eagle3"
     Config = Eagle3Config
     Loss = Eagle3Loss
+    Meta = Eagle3Meta
+    vocab_maps = ("d2t", "t2d")
 
     def __init__(
         self, shape: LayerShape, vocab_size: int, draft_vocab_size: int, aux_layers: list[int], num_layers: int,
@@ -144,23 +174,25 @@ class Eagle3Drafter(EagleBase):
         return cls.default_aux_layers(num_target_layers) + [num_target_layers]
 
     @classmethod
-    def build(cls, cfg: Eagle3Config, target, samples=None) -> "Eagle3Drafter":
-
+    def config_meta(cls, cfg: Eagle3Config, target, samples=None) -> dict:
         L, V = target.num_layers, target.vocab_size
-        aux = cfg.aux_layers or cls.default_aux_layers(L)
-        for i in aux:
-            if not 0 <= i <= L:
-                raise DraftlabError(f"drafter.aux_layers: {i} is outside 0..{L} for this target")
-        vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
-        m = cls(LayerShape.from_hf(target.config), V, vd, aux, cfg.num_layers, cfg.normalize_fc_input)
-        m.num_target_layers = L
-        fill_measured_buffers(m, target, aux, samples, cfg.normalize_fc_input, V, vd)
+        return {
+            "shape": LayerShape.from_hf(target.config).model_dump(),
+            "vocab_size": V,
+            "draft_vocab_size": cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V,
+            "aux_layers": cfg.aux_layers or cls.default_aux_layers(L),
+            "num_layers": cfg.num_layers,
+            "num_target_layers": L,
+            "normalize_fc_input": cfg.normalize_fc_input,
+        }
+
+    def init_weights(self, cfg: Eagle3Config, target, samples=None) -> None:
+        fill_measured_buffers(self, target, self.aux_layers, samples, cfg.normalize_fc_input, self.vocab_size, self.lm_head.out_features)
         if cfg.init_lm_head_from_target:
             # Start as the target's own read-out: its final-norm gain and its lm_head rows.
             with torch.no_grad():
-                m.lm_head.weight.copy_(target.lm_head.weight[m.t2d.to(target.device)].float())
-                m.norm.weight.copy_(target.final_norm.weight.float())
-        return m.attach(target)
+                self.lm_head.weight.copy_(target.lm_head.weight[self.t2d.to(target.device)].float())
+                self.norm.weight.copy_(target.final_norm.weight.float())
 
     def meta(self) -> dict:
         return {
@@ -194,7 +226,7 @@ class Eagle3Drafter(EagleBase):
     def from_meta(cls, meta: dict, target) -> "Eagle3Drafter":
         m = cls(
             LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"],
-            meta.get("normalize_fc_input", False),
+            meta["normalize_fc_input"],
         )
         m.num_target_layers = meta["num_target_layers"]
         return m.attach(target)
@@ -307,6 +339,7 @@ class Eagle1Drafter(EagleBase):
     algorithm = "eagle1"
     Config = Eagle1Config
     Loss = Eagle1Loss
+    Meta = EagleMeta
 
     def __init__(self, shape: LayerShape, vocab_size: int, num_layers: int):
         super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, input_norm=False))
@@ -319,10 +352,13 @@ class Eagle1Drafter(EagleBase):
         return [num_target_layers]
 
     @classmethod
-    def build(cls, cfg: Eagle1Config, target, samples=None) -> "Eagle1Drafter":
-        m = cls(LayerShape.from_hf(target.config), target.vocab_size, cfg.num_layers)
-        m.num_target_layers = target.num_layers
-        return m.attach(target)
+    def config_meta(cls, cfg: Eagle1Config, target, samples=None) -> dict:
+        return {
+            "shape": LayerShape.from_hf(target.config).model_dump(),
+            "vocab_size": target.vocab_size,
+            "num_layers": cfg.num_layers,
+            "num_target_layers": target.num_layers,
+        }
 
     def meta(self) -> dict:
         return {

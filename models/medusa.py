@@ -24,7 +24,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draftlab.losses.eagle import predicted_mask, shift_left
 from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
-from draftlab.models.drafter import DRAFTERS, Drafter
+from draftlab.models.drafter import (
+    DRAFTERS,
+    MAX_HEADS,
+    Count,
+    Drafter,
+    DrafterDepth,
+    DrafterMeta,
+    DraftVocabSize,
+    TargetHiddenSize,
+    TargetNumLayers,
+    TargetVocabSize,
+)
 
 TOPK_METRIC = 5  # the `top5` metric: how often the target's token is among a head's 5 best
 
@@ -35,6 +46,15 @@ class MedusaConfig(BaseModel):
     num_heads: int = Field(3, ge=1, description="heads; head i predicts the token i + 2 after the last verified one")
     num_layers: int = Field(1, ge=1, description="residual blocks x + SiLU(Wx + b) per head")
     draft_vocab_size: int = Field(0, ge=0, description="0 = the full target vocabulary; else its N most frequent assistant tokens")
+
+
+class MedusaMeta(DrafterMeta):
+    hidden_size: TargetHiddenSize
+    vocab_size: TargetVocabSize
+    draft_vocab_size: DraftVocabSize
+    num_heads: Count(1, MAX_HEADS, "heads a drafter may have")
+    num_layers: DrafterDepth  # residual blocks per head
+    num_target_layers: TargetNumLayers
 
 
 class MedusaLoss(BaseModel):
@@ -71,14 +91,11 @@ class MedusaDrafter(Drafter):
     algorithm = "medusa"
     Config = MedusaConfig
     Loss = MedusaLoss
+    Meta = MedusaMeta
+    vocab_maps = ("d2t", "t2d")
 
     def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int, num_heads: int, num_layers: int):
         super().__init__()
-        # a checkpoint's or import's meta reaches here unvalidated: refuse what no head can be
-        if num_heads < 1 or num_layers < 1:
-            raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads} and {num_layers}")
-        if not 1 <= draft_vocab_size <= vocab_size:
-            raise ValueError(f"draft_vocab_size {draft_vocab_size} is outside 1..{vocab_size}")
         # plain sizes: a decoding copy (models/cpu_gemm.py) swaps the nn.Linear modules out
         self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
         self.blocks = nn.ModuleList([ResidualBlocks(hidden_size, num_layers) for _ in range(num_heads)])
@@ -107,21 +124,27 @@ class MedusaDrafter(Drafter):
         return [num_target_layers]
 
     @classmethod
-    def build(cls, cfg: MedusaConfig, target, samples=None) -> "MedusaDrafter":
+    def config_meta(cls, cfg: MedusaConfig, target, samples=None) -> dict:
+        V = target.vocab_size
+        return {
+            "hidden_size": target.hidden_size,
+            "vocab_size": V,
+            "draft_vocab_size": cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V,
+            "num_heads": cfg.num_heads,
+            "num_layers": cfg.num_layers,
+            "num_target_layers": target.num_layers,
+        }
+
+    def init_weights(self, cfg: MedusaConfig, target, samples=None) -> None:
         from draftlab.data.vocab import draft_vocab
 
-        V = target.vocab_size
-        vd = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < V else V
-        m = cls(target.hidden_size, V, vd, cfg.num_heads, cfg.num_layers)
-        m.num_target_layers = target.num_layers
-        d2t, t2d = draft_vocab(samples, V, vd)
-        m.d2t.copy_(d2t)
-        m.t2d.copy_(t2d)
+        d2t, t2d = draft_vocab(samples, self.vocab_size, self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
         with torch.no_grad():  # every head starts as the target's own read-out of the draft vocab
-            rows = target.lm_head.weight[m.t2d.to(target.device)].float()
-            for head in m.lm_heads:
+            rows = target.lm_head.weight[self.t2d.to(target.device)].float()
+            for head in self.lm_heads:
                 head.weight.copy_(rows)
-        return m.attach(target)
 
     def meta(self) -> dict:
         return {
@@ -135,8 +158,6 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def from_meta(cls, meta: dict, target) -> "MedusaDrafter":
-        if meta["hidden_size"] != target.hidden_size:
-            raise ValueError(f"hidden_size {meta['hidden_size']} is not the target's {target.hidden_size}")
         m = cls(meta["hidden_size"], meta["vocab_size"], meta["draft_vocab_size"], meta["num_heads"], meta["num_layers"])
         m.num_target_layers = meta["num_target_layers"]
         return m.attach(target)

@@ -32,13 +32,13 @@ import re
 
 import torch
 import torch.nn as nn
-from pydantic import Field, field_validator
+from pydantic import Field, StrictStr, field_validator
 from pydantic_core import PydanticCustomError
 
 from draftlab.errors import DraftlabError
 from draftlab.losses.eagle import SoftCrossEntropy, shift_left
-from draftlab.models.drafter import DRAFTERS
-from draftlab.models.medusa import MedusaConfig, MedusaDrafter, MedusaLoss
+from draftlab.models.drafter import DRAFTERS, Count, PositiveFloat
+from draftlab.models.medusa import MedusaConfig, MedusaDrafter, MedusaLoss, MedusaMeta
 from draftlab.models.target import Target
 
 # the projections of a decoder layer of every supported family (models/target.py), in layer order
@@ -73,6 +73,20 @@ class Medusa2Config(MedusaConfig):
             raise PydanticCustomError("lora_targets", str(e)) from None
 
 
+class Medusa2Meta(MedusaMeta):
+    lora_r: Count(1, lambda t: t.hidden_size, "at most the target's hidden size")
+    lora_alpha: PositiveFloat
+    lora_targets: list[StrictStr]
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _known_targets(cls, v):
+        try:
+            return check_lora_targets(v)
+        except ValueError as e:
+            raise PydanticCustomError("meta_choice", "is refused: {problem}", {"problem": str(e)}) from None
+
+
 class Medusa2Loss(MedusaLoss):
     head_weight: float = Field(0.2, gt=0, description="lambda0: head i's loss weighs lambda0 * decay**i next to the LM term")
     lm_weight: float = Field(1.0, ge=0, description="weight of KL(original target || adapted target) at the loss positions")
@@ -83,6 +97,7 @@ class Medusa2Drafter(MedusaDrafter):
     algorithm = "medusa2"
     Config = Medusa2Config
     Loss = Medusa2Loss
+    Meta = Medusa2Meta
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -91,8 +106,8 @@ class Medusa2Drafter(MedusaDrafter):
 
     # ---- construction -------------------------------------------------------
     @classmethod
-    def build(cls, cfg: Medusa2Config, target, samples=None) -> "Medusa2Drafter":
-        return super().build(cfg, target, samples).adapt(target, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)
+    def config_meta(cls, cfg: Medusa2Config, target, samples=None) -> dict:
+        return {**super().config_meta(cfg, target, samples), "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_targets": list(cfg.lora_targets)}
 
     @classmethod
     def from_meta(cls, meta: dict, target) -> "Medusa2Drafter":
@@ -115,14 +130,7 @@ class Medusa2Drafter(MedusaDrafter):
             from peft.tuners.lora import LoraLayer
         except ImportError as e:
             raise DraftlabError(f"drafter family medusa2 needs the peft package (pip install peft): {e}") from None
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"lora_r must be an integer >= 1, got {r!r}")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-            raise ValueError(f"lora_alpha must be a number > 0, got {alpha!r}")
-        try:
-            targets = check_lora_targets(targets)
-        except ValueError as e:
-            raise ValueError(f"lora_targets {e}") from None
+        targets = check_lora_targets(targets)  # in layer order
         backbone = target.model.model
         shared = {id(t): t for t in (*backbone.parameters(), *backbone.buffers())}
         view = copy.deepcopy(backbone, memo=shared)

@@ -152,8 +152,8 @@ def test_bad_recipes_are_one_line_errors(tmp_path, override, match):
 
 @pytest.mark.parametrize(
     "cfg,match",
-    [(dict(target_layers=[0, 2]), r"target_layers \[0, 2\]: need distinct ascending indices within 1\.\.3"),
-     (dict(target_layers=[3, 1]), "distinct ascending"), (dict(mask_token_id=10**6), "mask_token_id: 1000000 is outside")],
+    [(dict(target_layers=[0, 2]), r"drafter\.target_layers\[0\] = 0 is outside 1\.\.3"),
+     (dict(target_layers=[3, 1]), "distinct ascending"), (dict(mask_token_id=10**6), r"drafter\.mask_token_id = 1000000 is outside 0\.\.399")],
 )
 def test_bad_drafter_configs_are_one_line_errors(tiny_llama, cfg, match):
     with pytest.raises(DraftlabError) as e:
@@ -164,8 +164,8 @@ def test_bad_drafter_configs_are_one_line_errors(tiny_llama, cfg, match):
 @pytest.mark.parametrize(
     "case,edit,match",
     [
-        ("block of one", dict(meta=lambda m: m.update(block_size=1)), "drafter meta is malformed .*block_size >= 2"),
-        ("mask outside vocab", dict(meta=lambda m: m.update(mask_token_id=10**6)), "mask_token_id 1000000 is outside"),
+        ("block of one", dict(meta=lambda m: m.update(block_size=1)), r"drafter\.block_size = 1 is outside 2\.\.1024"),
+        ("mask outside vocab", dict(meta=lambda m: m.update(mask_token_id=10**6)), r"drafter\.mask_token_id = 1000000 is outside 0\.\.399"),
         ("missing field", dict(meta=lambda m: m.pop("target_layers")), "drafter meta lacks 'target_layers'"),
         ("missing layer", dict(meta=lambda m: m.update(num_layers=3)), r"missing \['layers\.2\."),
         ("wrong shape", dict(weights=lambda s: s.update({"fc.weight": torch.zeros(3, 3)})), r"fc\.weight \(3, 3\)"),

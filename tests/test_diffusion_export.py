@@ -177,12 +177,14 @@ def test_sglang_export_refuses_a_reduced_vocabulary_and_cli_exits_2(made, tiny_l
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_exports_refuse_target_layers_engines_cannot_capture(engine, tiny_llama, tmp_path):
-    # build refuses such layers (tests/test_diffusion.py): a checkpoint edited by hand still gets here
+    # the diffusion schema (models/diffusion.py DiffusionMeta) holds what engines capture: build refuses
+    # such layers (tests/test_diffusion.py), and a checkpoint edited by hand is refused as it loads for export
     c = save_checkpoint(_drafter(tiny_llama, 0, layers=[1, 2]), tiny_llama, tmp_path / "ckpt")
     edit_checkpoint(c, meta=lambda m: m.update(target_layers=[2, 2]))
     with pytest.raises(DraftlabError) as e:
         export_checkpoint(c, engine, tmp_path / "out", tiny_llama)
-    assert_one_line(e, r"target_layers \[2, 2\].*each once and in ascending order")
+    assert_one_line(e, r"draftlab\.json: drafter\.target_layers = \[2, 2\] is not in distinct ascending order")
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------- bad imports

@@ -350,9 +350,9 @@ def test_bad_recipes_are_one_line_errors(tmp_path, override, match):
 @pytest.mark.parametrize(
     "case,edit,match",
     [
-        ("no heads", dict(meta=lambda m: m.update(num_heads=0)), "drafter meta is malformed .*num_heads and num_layers must be >= 1"),
-        ("vocab too big", dict(meta=lambda m: m.update(draft_vocab_size=10**6)), "draft_vocab_size 1000000 is outside"),
-        ("other hidden size", dict(meta=lambda m: m.update(hidden_size=32)), "hidden_size 32 is not the target's 64"),
+        ("no heads", dict(meta=lambda m: m.update(num_heads=0)), r"drafter\.num_heads = 0 is outside 1\.\.64"),
+        ("vocab too big", dict(meta=lambda m: m.update(draft_vocab_size=10**6)), r"drafter\.draft_vocab_size = 1000000 is outside 1\.\.400"),
+        ("other hidden size", dict(meta=lambda m: m.update(hidden_size=32)), r"drafter\.hidden_size = 32 is not the target's hidden size 64"),
         ("missing field", dict(meta=lambda m: m.pop("num_layers")), "drafter meta lacks 'num_layers'"),
         ("missing head", dict(weights=lambda s: s.pop("lm_heads.2.weight")), r"missing \['lm_heads\.2\.weight'\]"),
         ("extra head", dict(meta=lambda m: m.update(num_heads=4)), r"missing \['blocks\.3\.layers\.0\.weight'"),

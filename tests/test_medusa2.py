@@ -349,8 +349,8 @@ def test_bad_recipes_are_one_line_errors(tmp_path, override, match):
 @pytest.mark.parametrize(
     "case,edit,match",
     [
-        ("rank 0", dict(meta=lambda m: m.update(lora_r=0)), r"drafter meta is malformed \(lora_r must be an integer >= 1, got 0\)"),
-        ("bad targets", dict(meta=lambda m: m.update(lora_targets=["qkv"])), "malformed .*lora_targets unknown projection 'qkv'"),
+        ("rank 0", dict(meta=lambda m: m.update(lora_r=0)), r"drafter\.lora_r = 0 is outside 1\.\.64"),
+        ("bad targets", dict(meta=lambda m: m.update(lora_targets=["qkv"])), r"drafter\.lora_targets = \[\"qkv\"\] is refused: unknown projection 'qkv'"),
         ("no alpha", dict(meta=lambda m: m.pop("lora_alpha")), "drafter meta lacks 'lora_alpha'"),
         ("other rank", dict(meta=lambda m: m.update(lora_r=4)), r"tensor lora\.0\.\w+_proj\.lora_A\.weight \(8, \d+\) .*expected \(4, \d+\)"),
         ("fewer targets", dict(meta=lambda m: m.update(lora_targets=["q_proj"])), r"missing \[\], unexpected \['lora\.0\.down_proj\.lora_A\.weight'"),

@@ -1,8 +1,9 @@
 """A drafter family defined entirely in this file, plugged into draftlab with no other change.
 
 "toy_bigram" predicts the target's token after next from a table of logits indexed by the last
-token plus a linear map of the target's last hidden state. It registers a drafter, a proposer
-and an export/import format here; the shared trainer (resume after SIGKILL included), the
+token plus a linear map of the target's last hidden state. It registers a drafter (its
+checkpoint metadata declared as a schema, ``ToyMeta``, which every load, import and export
+checks), a proposer and an export/import format here; the shared trainer (resume after SIGKILL included), the
 checkpoint reader, the speculative decoder and the exporter/importer then treat it like any
 other family. Run as a script, this file is the family's ``accelerate launch`` entry point.
 """
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draftlab.export.formats import ExportOptions, Format, register
 from draftlab.inference.proposer import PROPOSERS, ChainDraft, Proposer
-from draftlab.models.drafter import DRAFTERS, Drafter
+from draftlab.models.drafter import DRAFTERS, Drafter, DrafterMeta, PositiveFloat, TargetHiddenSize, TargetNumLayers, TargetVocabSize
 from tiny import write_chat
 
 ALGORITHM = "toy_bigram"
@@ -41,11 +42,19 @@ class ToyLoss(BaseModel):
     label_smoothing: float = Field(0.0, ge=0, lt=1)
 
 
+class ToyMeta(DrafterMeta):
+    vocab_size: TargetVocabSize
+    hidden_size: TargetHiddenSize
+    num_target_layers: TargetNumLayers
+    feature_scale: PositiveFloat
+
+
 @DRAFTERS.register()
 class ToyBigramDrafter(Drafter):
     algorithm = ALGORITHM
     Config = ToyConfig
     Loss = ToyLoss
+    Meta = ToyMeta
 
     def __init__(self, vocab_size: int, hidden_size: int, num_target_layers: int, feature_scale: float):
         super().__init__()
@@ -64,8 +73,9 @@ class ToyBigramDrafter(Drafter):
         return [num_target_layers]
 
     @classmethod
-    def build(cls, cfg: ToyConfig, target, samples):
-        return cls(target.vocab_size, target.hidden_size, target.num_layers, cfg.feature_scale).attach(target)
+    def config_meta(cls, cfg: ToyConfig, target, samples):  # Drafter.build checks it, then calls from_meta
+        return {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
+                "feature_scale": cfg.feature_scale}
 
     @classmethod
     def from_meta(cls, meta, target):
