@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
-from draftlab.atomic import write_json
+from draftlab.atomic import write_bytes, write_json
 from draftlab.errors import DraftlabError
 
 FORMAT = "draftlab-checkpoint/1"
@@ -55,7 +55,7 @@ def save_weights(tmp: Path, state: dict, meta: dict, where=None) -> None:
     where = where or tmp
     check_drafter(meta["algorithm"], meta["drafter"], meta["target"], f"{where}/{META}", state, f"{where}/{WEIGHTS}")
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(state, tmp / WEIGHTS, metadata={"format": FORMAT, "algorithm": meta["algorithm"]})
+    write_bytes(tmp / WEIGHTS, save(state, metadata={"format": FORMAT, "algorithm": meta["algorithm"]}))
     write_json(tmp / META, {"format": FORMAT, **meta})
 
 

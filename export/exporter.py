@@ -50,5 +50,5 @@ def export_checkpoint(checkpoint, engine: str, out, target="default", opts: Expo
     with atomic.directory(out) as tmp:
         fmt.save(tmp, drafter, target, meta, opts)
         config = json.loads((tmp / "config.json").read_text())
-        (tmp / "README.md").write_text(render(meta, fmt, drafter, config, engine, str(out), str(checkpoint), opts))
+        atomic.write_text(tmp / "README.md", render(meta, fmt, drafter, config, engine, str(out), str(checkpoint), opts))
     return out

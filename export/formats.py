@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftlab.atomic import write_json
+from draftlab.atomic import write_bytes, write_json
 from draftlab.errors import DraftlabError
 from draftlab.registry import Registry, discover
 
@@ -107,13 +107,13 @@ class Format:
 
     def save(self, tmp: Path, drafter, target, meta: dict, opts: ExportOptions) -> None:
         """Write the layout's files (weights + config.json) into the staging directory."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         state = self.export_state(drafter, target)
         if opts.dtype:
             dtype = getattr(torch, opts.dtype)
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_bytes(tmp / "model.safetensors", save({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"}))
         config = self.export_config(drafter, target, meta, opts)
         config["torch_dtype"] = opts.dtype or str(next(iter(drafter.parameters())).dtype).removeprefix("torch.")
         write_json(tmp / "config.json", config)

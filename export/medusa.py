@@ -27,11 +27,13 @@ and ``{h}.{L}.weight``. Full-vocabulary heads only.
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
 import torch
 
+from draftlab.atomic import write_bytes
 from draftlab.errors import DraftlabError
 from draftlab.export.formats import ExportOptions, Format, read_torch_tensors, register, vocab_maps
 from draftlab.models.medusa import MedusaDrafter
@@ -213,7 +215,9 @@ class FasterDecodingMedusa(Format):
         super().save(tmp, drafter, target, meta, opts)
         weights = tmp / self.WEIGHTS
         (tmp / "model.safetensors").rename(weights)
-        torch.save(read_weights(weights), tmp / self.PICKLE)  # a plain tensor dict: loads with weights_only=True
+        buf = io.BytesIO()
+        torch.save(read_weights(weights), buf)  # a plain tensor dict: loads with weights_only=True
+        write_bytes(tmp / self.PICKLE, buf.getvalue())
 
     def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
         return {

@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,34 +89,30 @@ def _convert_gguf(gguf: Path, name: str) -> Path:
     """Dequantise a GGUF once into ``<cache>/targets/<stem>-<sha256[:16]>`` (safetensors + config +
     tokenizer; ``name``: the config's ``_name_or_path``) so later loads take seconds instead of
     tens. Written to a temp dir, then renamed."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftlab import atomic
 
     digest = file_sha256(gguf)
     out = cache_root() / "targets" / f"{gguf.stem}-{digest[:16]}"
     if (out / "config.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with atomic.directory(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # save_pretrained refuses GGUF-loaded models: write weights and config ourselves.
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        atomic.write_bytes(tmp / "model.safetensors", save(state, metadata={"format": "pt"}))
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         cfg["_name_or_path"] = name
         cfg["architectures"] = [type(model).__name__]
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        atomic.write_text(tmp / "config.json", json.dumps(cfg, indent=2))
         tok.save_pretrained(tmp)
-        (tmp / "draftlab_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        atomic.write_text(tmp / "draftlab_source.json", json.dumps({"gguf": str(gguf), "sha256": digest}))
     return out
 
 
