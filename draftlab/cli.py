@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(modules[args.command].run(args) or 0)
     except DraftlabError as e:
-        print(f"draftlab {args.command}: error: {e}", file=sys.stderr)
+        # one line whatever the message holds (a value quoted from a file or a flag may hold a newline)
+        message = " ".join(str(e).splitlines())
+        print(f"draftlab {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"draftlab {args.command}: interrupted", file=sys.stderr)

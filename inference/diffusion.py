@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, Block, ChainDraft, Proposer, RowProposers
+from draftlab.inference.proposer import PROPOSERS, Block, ChainDraft, OptionError, Proposer, RowProposers
 from draftlab.models.cpu_gemm import decoding_copy
 
 
@@ -61,7 +60,9 @@ class DiffusionProposer(Proposer):
     @classmethod
     def check(cls, shape: Block, drafter) -> None:
         if shape.k > drafter.block_size - 1:
-            raise DraftlabError(f"block: k={shape.k} exceeds what this drafter drafts per block (block_size - 1 = {drafter.block_size - 1})")
+            most = drafter.block_size - 1
+            raise OptionError("k", f"must be at most {most}, what this drafter drafts per block (block_size - 1), got {shape.k}",
+                              f"block: k={shape.k} exceeds what this drafter drafts per block (block_size - 1 = {most})")
 
     def propose(self, shape: Block) -> ChainDraft:
         self.check(shape, self.drafter)

@@ -11,10 +11,13 @@ each attending to the committed prefix, its ancestors' speculative positions and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, RowProposers, StaticTree
+from draftlab.inference.proposer import (
+    PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, RowProposers, StaticTree, check_decoding,
+)
 from draftlab.models.cpu_gemm import decoding_copy
 
 
@@ -119,30 +122,49 @@ class EagleProposer(Proposer):
         """EAGLE-2: top-k at the root; each later depth expands the k best frontier nodes (by
         cumulative log-prob) into k children each; all candidates are pooled and the
         ``total_tokens`` best are kept (their ancestors always score at least as high, so the
-        tree stays closed)."""
+        tree stays closed).
+
+        The total bounds the work, and the bounds below keep the kept tree what the unbounded
+        growth would keep: a kept node needs its ancestors kept, so no level deeper than the
+        total is grown (``spec.max_depth``); with k at least the total every node the best
+        ``total_tokens`` hold is among its parent's top ``total_tokens`` children, so k beyond
+        the total (or the draft vocabulary) adds nothing; and a candidate below the pool's
+        ``total_tokens``-th best score can never be kept, nor can any of its descendants, so it
+        is dropped, and growth stops once no frontier node is left."""
         committed = self.cache.length
         dev = self.last_h.device
-        k = spec.top_k
+        total = spec.total_tokens
         lp = self.last_logits.float().log_softmax(-1)
-        score, ids = lp.topk(min(k, lp.numel()))
+        k = min(spec.top_k, total, lp.numel())
+        score, ids = lp.topk(k)
         # pool of candidate nodes (draft vocab ids), parent = pool index or -1 for the root
         tok, parent, depth, scores = ids.tolist(), [-1] * len(ids), [1] * len(ids), score.tolist()
+        best = score  # the pool's best scores, at most ``total`` of them
         frontier = list(range(len(ids)))
         feats = self.last_h.expand(1, len(frontier), -1)
         slot: dict[int, int] = {}  # pool index -> drafter cache slot of its expanded position
-        for d in range(1, spec.depth):
+        for d in range(1, spec.max_depth):
             h, lp = self._draft_level(frontier, tok, parent, slot, feats, d, committed)
             clp, cid = lp.topk(k, dim=-1)  # [n, k]
             cum = torch.tensor([scores[i] for i in frontier], device=dev)[:, None] + clp
-            first = len(tok)
-            for r, i in enumerate(frontier):
-                tok += cid[r].tolist()
-                parent += [i] * k
-                depth += [d + 1] * k
-                scores += cum[r].tolist()
-            best = cum.flatten().topk(min(k, cum.numel())).indices
-            frontier = [first + int(b) for b in best]
-            feats = h[:, best // k]
+            flat = cum.flatten()
+            best = torch.cat([best, flat]).topk(min(total, best.numel() + flat.numel())).values
+            floor = float(best[-1]) if best.numel() == total else -math.inf
+            keep = (flat >= floor).tolist()
+            pool_of: dict[int, int] = {}  # candidate (row-major in cum) -> its pool index
+            cid, flat_scores = cid.flatten().tolist(), flat.tolist()
+            for c, ok in enumerate(keep):
+                if ok:
+                    pool_of[c] = len(tok)
+                    tok.append(cid[c])
+                    parent.append(frontier[c // k])
+                    depth.append(d + 1)
+                    scores.append(flat_scores[c])
+            chosen = [int(b) for b in flat.topk(min(k, flat.numel())).indices if keep[int(b)]]
+            if not chosen:
+                break
+            frontier = [pool_of[b] for b in chosen]
+            feats = h[:, torch.tensor(chosen, device=dev) // k]
         self.cache.crop(committed)
 
         # Best-first by cumulative log-prob (ties: shallower first, so a parent always comes
@@ -165,8 +187,7 @@ class EagleProposer(Proposer):
         """EAGLE-1's static tree: a node of rank r is its parent's r-th most likely next token,
         so each node with children is expanded once, ranking the drafter's tokens given its
         path; one drafter forward per depth."""
-        if shape.max_rank > self.last_logits.numel():
-            raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {self.last_logits.numel()}")
+        check_decoding(shape, draft_vocab=self.last_logits.numel())
         committed = self.cache.length
         parent = (shape.parents - 1).tolist()  # node i + 1 -> index i; the root is -1
         depth, rank = shape.depth.tolist(), shape.rank.tolist()

@@ -12,6 +12,7 @@ import argparse
 import json
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,12 +23,20 @@ from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prompts import DATA_SETS, EvalPrompt
 from draftlab.inference.proposer import (
     CHOICES_EXAMPLE,
+    MAX_BATCH_SIZE,
+    MAX_K,
+    MAX_NEW_TOKENS,
+    MAX_TREE_NODES,
     METHODS,
+    TEMPERATURE_RANGE,
     Chain,
     DynamicTree,
+    OptionError,
     Proposer,
     Shape,
     StaticTree,
+    check_decoding,
+    check_shape,
     load_proposer,
     make_shape,
     shape_fields,
@@ -165,22 +174,57 @@ def _device_name(device: torch.device) -> str:
 
 
 # ---------------------------------------------------------------------- CLI
+# The flag of each decoding option, as check_decoding's errors name them (OptionError.option).
+FLAGS = {
+    "k": "--k", "min_confidence": "--min-confidence", "tree.depth": "--tree-depth", "tree.top_k": "--tree-topk",
+    "tree.total_tokens": "--tree-total", "static_tree": "--tree-choices:", "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "batch_sizes": "--batch-sizes", "seed": "--seed",
+}
+
+
+@contextmanager
+def flag_names():
+    """Re-word an :class:`OptionError` raised inside with the option's flag."""
+    try:
+        yield
+    except OptionError as e:
+        raise e.renamed(FLAGS) from None
+
+
+def valid_text(value: str, where: str) -> str:
+    """``value`` if it is text that encodes as UTF-8, else a DraftlabError naming ``where``. Bytes
+    Python could not decode as UTF-8 (an argument, or a stream read with surrogateescape) arrive
+    as lone surrogates, as do JSON escapes of them; a tokenizer fails on those with a traceback."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(value[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+        raise DraftlabError(f"{where}: not valid UTF-8 text ({what} at character {e.start + 1})") from None
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``draftlab eval`` and ``draftlab generate``."""
+    lo, hi = TEMPERATURE_RANGE
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory, or 'ngram' (prompt lookup)")
     p.add_argument("--target", default="default", help="HF dir, hub id, .gguf file or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--method", choices=list(METHODS), default="chain",
                    help="draft shape: chain, tree (EAGLE-2 dynamic tree), static_tree (needs --tree-choices) or block")
-    p.add_argument("--k", type=int, default=5, help="chain and block: drafts per step")
-    p.add_argument("--tree-depth", type=int, default=DynamicTree.depth)
-    p.add_argument("--tree-topk", type=int, default=DynamicTree.top_k)
-    p.add_argument("--tree-total", type=int, default=DynamicTree.total_tokens, help="tree: draft nodes per step")
+    p.add_argument("--k", type=int, default=5, help=f"chain and block: drafts per step (1..{MAX_K})")
+    p.add_argument("--tree-depth", type=int, default=DynamicTree.depth,
+                   help=f"tree: expansion steps (1..{MAX_TREE_NODES}; never more than --tree-total)")
+    p.add_argument("--tree-topk", type=int, default=DynamicTree.top_k,
+                   help=f"tree: children per node (1..{MAX_TREE_NODES}, at most the draft vocabulary)")
+    p.add_argument("--tree-total", type=int, default=DynamicTree.total_tokens, help=f"tree: draft nodes per step (1..{MAX_TREE_NODES})")
     p.add_argument("--tree-choices", default=None,
-                   help="static_tree: a JSON list of paths of candidate ranks, e.g. '[[0], [1], [0, 0]]', or a .json file holding one")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+                   help=f"static_tree: a JSON list of at most {MAX_TREE_NODES} paths of candidate ranks, e.g. '[[0], [1], [0, 0]]', "
+                   "or a .json file holding one")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help=f"1..{MAX_NEW_TOKENS}, and at most the target's positions less the prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy, else {lo:g}..{hi:g}")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -212,33 +256,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None, help="write the JSON report here (plus .md and .png next to it)")
     p.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup, no greedy match)")
     p.add_argument("--batch-sizes", default=None,
-                   help="also decode the prompts in batches of these sizes (e.g. 1,2,4,8,16): speedup by batch size")
+                   help=f"also decode the prompts in batches of these sizes (e.g. 1,2,4,8,16; each 1..{MAX_BATCH_SIZE}): "
+                   "speedup by batch size")
     p.add_argument("--adaptive", action="store_true",
                    help="with --batch-sizes: choose the draft length per step (0..--k) from observed acceptance "
                    "and the verify cost measured at start-up")
 
 
-def check_decoding_options(args) -> None:
-    """The ranges of the options :func:`add_model_arguments` adds for n-gram lookup and dynamic
-    drafting (DraftlabError naming the flag), checked before any model loads."""
+def check_decoding_options(args) -> list[int] | None:
+    """Every decoding flag in range (a one-line DraftlabError naming the flag and its limits),
+    checked before any model loads: n-gram lookup and dynamic drafting here, the rest by
+    :func:`~draftlab.inference.proposer.check_decoding` and the draft shapes (every flag, the
+    ones the method does not use too). Returns ``--batch-sizes`` parsed (None without it)."""
     if not 1 <= args.ngram_min <= args.ngram_max:
         raise DraftlabError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {args.ngram_min}, {args.ngram_max}")
     if not 0.0 <= args.min_confidence < 1.0:
         raise DraftlabError(f"--min-confidence must be in [0, 1), got {args.min_confidence}")
     if not 0 <= args.lookup_min_match <= args.ngram_max:
         raise DraftlabError(f"--lookup-min-match must be in 0..--ngram-max ({args.ngram_max}), got {args.lookup_min_match}")
+    batch_sizes = None
+    if getattr(args, "batch_sizes", None) is not None:
+        from draftlab.inference.batch_eval import parse_batch_sizes
+
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+    with flag_names():
+        Chain(args.k)
+        DynamicTree(args.tree_depth, args.tree_topk, args.tree_total)
+        check_decoding(None, args.max_new_tokens, args.temperature, args.top_k, args.top_p, batch_sizes, args.seed)
+    return batch_sizes
 
 
 def tree_choices(value: str) -> StaticTree:
     """``--tree-choices``: a JSON list of paths, or the path of a .json file holding one."""
     try:
-        text = value if value.lstrip().startswith("[") else Path(value).read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        text = value if value.lstrip().startswith("[") else Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise DraftlabError(f"--tree-choices: neither a JSON list nor a readable file: {value} ({getattr(e, 'strerror', None) or e})") from None
     try:
         return StaticTree(json.loads(text))
     except json.JSONDecodeError as e:
         raise DraftlabError(f"--tree-choices: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise DraftlabError("--tree-choices: invalid JSON (nested too deeply)") from None
     except DraftlabError as e:
         raise DraftlabError(f"--tree-choices: {e}") from None
 
@@ -254,11 +313,23 @@ def decoding_shape(args) -> Shape:
             raise DraftlabError(f"--method static_tree needs --tree-choices (paths of candidate ranks, e.g. '{CHOICES_EXAMPLE}')")
         return tree_choices(args.tree_choices)
     tree = dict(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
-    return make_shape(args.method, args.k, args.min_confidence, tree)
+    with flag_names():
+        return make_shape(args.method, args.k, args.min_confidence, tree)
+
+
+def check_fits(args, target, prompt_length: int) -> None:
+    """``--max-new-tokens`` within the target's positions less ``prompt_length`` (the longest
+    prompt's), once the prompts are tokenised and before they decode."""
+    positions = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    with flag_names():
+        check_decoding(None, args.max_new_tokens, args.temperature, args.top_k, args.top_p, None, args.seed,
+                       max_positions=positions if isinstance(positions, int) and positions > 0 else None,
+                       prompt_length=prompt_length)
 
 
 def load_models(args) -> tuple:
-    """(target, proposer, shape) from the shared flags; the flags are checked first."""
+    """(target, proposer, shape) from the shared flags; the flags are checked first, and the
+    shape against the drafter (its vocabulary, what its family drafts) before it returns."""
     from draftlab.models.target import Target
 
     check_decoding_options(args)
@@ -271,11 +342,15 @@ def load_models(args) -> tuple:
         raise DraftlabError(f"--drafter: no checkpoint directory at {args.drafter} (or pass 'ngram')")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = Target.load(args.target, dtype=args.dtype, device=device)
-    if args.drafter == "ngram":
-        from draftlab.inference.ngram import NgramProposer
+    with flag_names():
+        if args.drafter == "ngram":
+            from draftlab.inference.ngram import NgramProposer
 
-        return target, NgramProposer(args.ngram_max, args.ngram_min), shape
-    proposer = load_proposer(args.drafter, target)
+            proposer = NgramProposer(args.ngram_max, args.ngram_min)
+            check_shape(shape, proposer.shapes, proposer.name)
+        else:
+            proposer = load_proposer(args.drafter, target, shape)
+        check_decoding(shape, draft_vocab=proposer.draft_vocab or target.vocab_size)
     if args.lookup_min_match:
         from draftlab.inference.hybrid import LookupFirstProposer
 
@@ -287,11 +362,7 @@ def run(args) -> int:
     from draftlab.inference.prompts import prompt_conversations, tokenize_prompts
     from draftlab.inference.report import batch_table, markdown_table, write_report
 
-    batch_sizes = None
-    if args.batch_sizes is not None:
-        from draftlab.inference.batch_eval import parse_batch_sizes
-
-        batch_sizes = parse_batch_sizes(args.batch_sizes)
+    batch_sizes = check_decoding_options(args)
     if args.adaptive and (batch_sizes is None or args.method not in ("chain", "block")):
         raise DraftlabError("--adaptive chooses a chain's or block's draft length per step: it needs --batch-sizes and --method chain or block")
     if batch_sizes and args.no_baseline:
@@ -303,11 +374,14 @@ def run(args) -> int:
         from draftlab.recipe import load_recipe
 
         data_spec = load_recipe(args.recipe, args.overrides).data
-    check_decoding_options(args)
     decoding_shape(args)
     convs = prompt_conversations(args.data, args.num_prompts, data_spec=data_spec, option="--num-prompts")
+    for _, rid, messages in convs:
+        for m in messages:
+            valid_text(m["content"], f"--data {args.data}: prompt {rid}")
     target, proposer, shape = load_models(args)
     prompts = tokenize_prompts(convs, target.tokenizer)
+    check_fits(args, target, max(len(p.prompt_ids) for p in prompts))
 
     def progress(i, n, res):
         print(f"[{i + 1}/{n}] tau={res.stats().tau:.2f} {res.tokens_per_s:.1f} tok/s", flush=True)

@@ -24,6 +24,7 @@ class LookupFirstProposer(Proposer):
         self.lookup = NgramProposer(n_max=n_max, n_min=min_match)
         self.name = f"lookup+{drafter.name}"
         self.layers = drafter.layers
+        self.draft_vocab = drafter.draft_vocab
         self.lookup_steps = 0  # steps drafted by prompt lookup (the rest: by the drafter)
 
     def fork(self) -> "LookupFirstProposer":

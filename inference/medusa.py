@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, Proposer, RowProposers, StaticTree
+from draftlab.inference.proposer import (
+    PROPOSERS, Chain, ChainDraft, DraftTree, OptionError, Proposer, RowProposers, StaticTree, check_decoding,
+)
 from draftlab.models.cpu_gemm import decoding_copy
 
 
@@ -71,10 +72,13 @@ class MedusaProposer(Proposer):
 
     @classmethod
     def check(cls, shape, drafter) -> None:
+        """A static tree no deeper than the heads and no wider than the draft vocabulary."""
         if isinstance(shape, StaticTree) and shape.max_depth > drafter.num_heads:
-            raise DraftlabError(f"static tree: depth {shape.max_depth} needs {shape.max_depth} Medusa heads, this drafter has {drafter.num_heads}")
-        if isinstance(shape, StaticTree) and shape.max_rank > drafter.draft_vocab_size:
-            raise DraftlabError(f"static tree: rank {shape.max_rank - 1} exceeds the drafter's vocabulary of {drafter.draft_vocab_size}")
+            D, H = shape.max_depth, drafter.num_heads
+            raise OptionError("static_tree", f"paths of depth {D} need {D} Medusa heads: this drafter has {H}",
+                              f"static tree: depth {D} needs {D} Medusa heads, this drafter has {H}")
+        if isinstance(shape, StaticTree):
+            check_decoding(shape, draft_vocab=drafter.draft_vocab_size)
 
     def _static_trees(self, last: torch.Tensor, shape: StaticTree) -> list[DraftTree]:
         """Depth d of the tree is head d - 1's guess: a node of rank r holds that head's r-th

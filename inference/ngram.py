@@ -61,7 +61,7 @@ class NgramProposer(Proposer):
         children: list[dict[int, int]] = [{}]  # node -> {token: child node}
         for start, n in self._matches(limit=self.max_tree_matches):
             node = 0
-            for tok in ctx[start + n : start + n + spec.depth].tolist():
+            for tok in ctx[start + n : start + n + spec.max_depth].tolist():
                 nxt = children[node].get(tok)
                 if nxt is None:
                     if len(tokens) >= spec.total_tokens or len(children[node]) >= spec.top_k:

@@ -49,8 +49,11 @@ Tree siblings must carry distinct tokens.
 from __future__ import annotations
 
 import copy
+import json
+import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from numbers import Integral, Real
+from typing import ClassVar, Mapping, Union
 
 import torch
 
@@ -121,16 +124,55 @@ class DraftTree:
     depth: torch.Tensor  # Long[N] depth of each draft (1 = child of the root)
 
 
+# ---------------------------------------------------------------------- bounds of the decoding options
+# Every decoding option is checked against these before any work (:func:`check_decoding`, and each
+# shape at construction), so that no value reaches an allocation or a loop unbounded.
+MAX_K = 64  # chain and block: drafts per step
+MAX_TREE_NODES = 1024  # trees: draft nodes per step; also bounds tree depth, top-k and static-tree ranks
+MAX_NEW_TOKENS = 131072  # and, once the target is known, its positions less the longest prompt
+MAX_BATCH_SIZE = 1024
+TEMPERATURE_RANGE = (1e-4, 100.0)  # a sampling temperature; 0 = greedy
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+class OptionError(DraftlabError):
+    """A decoding option out of range. ``option`` names it as the Python API does (``k``,
+    ``tree.depth``, ``tree.top_k``, ``tree.total_tokens``, ``static_tree``, ``min_confidence``,
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``batch_sizes``, ``seed``);
+    ``detail`` says what is wrong, its limits included. :meth:`renamed` words it for a caller
+    with its own names for the options (``--k``, ``eval.k``)."""
+
+    def __init__(self, option: str, detail: str, message: str | None = None):
+        super().__init__(message or f"{option} {detail}")
+        self.option, self.detail = option, detail
+
+    def renamed(self, names: Mapping[str, str]) -> "OptionError":
+        return OptionError(self.option, self.detail, f"{names.get(self.option, self.option)} {self.detail}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _bounded_int(option: str, value, low: int, high: int, label: str | None = None) -> None:
+    """``value`` an integer (not a bool) in ``low..high``, else an :class:`OptionError`."""
+    if not _is_int(value) or not low <= value <= high:
+        detail = f"must be an integer in {low}..{high}, got {value!r}"
+        raise OptionError(option, detail, f"{label} {detail}" if label else None)
+
+
+def _finite(option: str, value, label: str | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        detail = f"must be a finite number, got {value!r}"
+        raise OptionError(option, detail, f"{label} {detail}" if label else None)
+    return float(value)
+
+
 # ---------------------------------------------------------------------- draft shapes
 # ``kind`` is what proposers declare; ``method`` names the shape in recipes, flags and reports
 # ("tree" is the dynamic tree's name there, kept from before static trees existed).
 # ``max_nodes`` / ``max_depth`` bound what one step may draft (cache room, sanity checks).
-
-
-def _at_least_one(shape: str, **values: int) -> None:
-    for name, v in values.items():
-        if not isinstance(v, int) or v < 1:
-            raise DraftlabError(f"{shape}: {name} must be an integer >= 1, got {v!r}")
+# Each shape checks its fields at construction: integers (not bools) within the bounds above.
 
 
 @dataclass(frozen=True)
@@ -140,7 +182,7 @@ class _Row:
     k: int
 
     def __post_init__(self):
-        _at_least_one(self.method, k=self.k)
+        _bounded_int("k", self.k, 1, MAX_K, f"{self.method}: k")
 
     @property
     def max_nodes(self) -> int:
@@ -161,8 +203,9 @@ class Chain(_Row):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.min_confidence < 1.0:
-            raise DraftlabError(f"chain: min_confidence must be in [0, 1), got {self.min_confidence}")
+        c = _finite("min_confidence", self.min_confidence, "chain: min_confidence")
+        if not 0.0 <= c < 1.0:
+            raise OptionError("min_confidence", f"must be in [0, 1), got {c}", f"chain: min_confidence must be in [0, 1), got {c}")
 
 
 @dataclass(frozen=True)
@@ -177,7 +220,9 @@ class Block(_Row):
 @dataclass(frozen=True)
 class DynamicTree:
     """EAGLE-2 dynamic tree: ``depth`` expansion steps, ``top_k`` children per node, at most
-    ``total_tokens`` draft nodes kept after reranking by cumulative log-prob."""
+    ``total_tokens`` draft nodes kept after reranking by cumulative log-prob. Each is in
+    1..MAX_TREE_NODES. The total bounds the work: a kept node needs its ancestors kept, so no
+    tree grows deeper than ``total_tokens`` levels (``max_depth``) whatever ``depth`` says."""
 
     depth: int = 5
     top_k: int = 8
@@ -186,7 +231,8 @@ class DynamicTree:
     method: ClassVar[str] = "tree"
 
     def __post_init__(self):
-        _at_least_one("tree", depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
+        for name in ("depth", "top_k", "total_tokens"):
+            _bounded_int(f"tree.{name}", getattr(self, name), 1, MAX_TREE_NODES, f"tree: {name}")
 
     @property
     def max_nodes(self) -> int:
@@ -194,21 +240,53 @@ class DynamicTree:
 
     @property
     def max_depth(self) -> int:
-        return self.depth
+        return min(self.depth, self.total_tokens)
 
 
 CHOICES_EXAMPLE = "[[0], [1], [0, 0]]"
 
 
-def _choice_paths(choices) -> list[tuple[int, ...]]:
-    """Distinct paths, sorted by depth then lexicographically (so parents come first)."""
-    bad = DraftlabError(f"static tree: choices must be a non-empty list of paths of candidate ranks >= 0, e.g. {CHOICES_EXAMPLE}")
+def _static_tree_error(detail: str) -> OptionError:
+    return OptionError("static_tree", detail, f"static tree: {detail}")
+
+
+def _shown(value) -> str:
     try:
-        paths = {tuple(ch) for ch in choices}
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _choice_paths(choices) -> list[tuple[int, ...]]:
+    """Distinct paths, sorted by depth then lexicographically (so parents come first): at most
+    MAX_TREE_NODES of them, each a non-empty list of integer ranks in 0..MAX_TREE_NODES - 1."""
+    bad = _static_tree_error(
+        f"choices must be a non-empty list of at most {MAX_TREE_NODES} paths of candidate ranks, e.g. {CHOICES_EXAMPLE}"
+    )
+    if isinstance(choices, (str, bytes, Mapping)):
+        raise bad
+    try:
+        choices = list(choices)
     except TypeError:
         raise bad from None
-    if not paths or any(not p or not all(isinstance(c, int) and c >= 0 for c in p) for p in paths):
+    if not choices or len(choices) > MAX_TREE_NODES:
         raise bad
+    paths = set()
+    for ch in choices:
+        if isinstance(ch, (str, bytes, Mapping)):
+            raise bad
+        try:
+            path = tuple(ch)
+        except TypeError:
+            raise bad from None
+        if not path:
+            raise bad
+        for c in path:
+            if not _is_int(c) or not 0 <= c < MAX_TREE_NODES:
+                raise _static_tree_error(
+                    f"choices must be paths of candidate ranks, integers in 0..{MAX_TREE_NODES - 1}: path {_shown(ch)} has rank {_shown(c)}"
+                )
+        paths.add(tuple(int(c) for c in path))
     return sorted(paths, key=lambda p: (len(p), p))
 
 
@@ -231,7 +309,7 @@ class StaticTree:
         index = {p: i + 1 for i, p in enumerate(paths)}
         for p in paths:
             if len(p) > 1 and p[:-1] not in index:
-                raise DraftlabError(f"static tree: choice {list(p)} has no parent {list(p[:-1])}")
+                raise _static_tree_error(f"choice {list(p)} has no parent {list(p[:-1])}")
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         # frozen: the derived fields are set once, here
         object.__setattr__(self, "choices", tuple(paths))
@@ -303,6 +381,72 @@ def shape_fields(shape: Shape) -> dict:
     return fields
 
 
+def check_decoding(shape: Shape | None = None, max_new_tokens: int | None = None, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, batch_sizes=None, seed: int = 0, *,
+                   draft_vocab: int | None = None, max_positions: int | None = None, prompt_length: int = 0) -> None:
+    """The one check of a decoding's options, before any work: an :class:`OptionError` (a
+    one-line DraftlabError naming the option, with its limits; :meth:`OptionError.renamed` words
+    it with a caller's flag or field names) for the first out of range. Bounds:
+
+    - ``shape``: a draft shape (its fields were checked at construction: k in 1..MAX_K; tree
+      depth, top-k and total in 1..MAX_TREE_NODES; at most MAX_TREE_NODES static-tree paths of
+      integer ranks in 0..MAX_TREE_NODES - 1); with ``draft_vocab`` (the tokens the drafter
+      ranks its candidates over) a tree's top-k is at most that and a static tree's ranks are
+      below it;
+    - ``max_new_tokens`` (None: not checked): 1..MAX_NEW_TOKENS; with ``max_positions`` (the
+      target's) at most ``max_positions - prompt_length`` (``prompt_length``: the longest prompt);
+    - ``temperature``: 0 (greedy) or finite in TEMPERATURE_RANGE; ``top_k``: an integer >= 0
+      (0 = off); ``top_p``: in (0, 1]; ``seed``: an integer in SEED_RANGE;
+    - ``batch_sizes`` (None: not checked): distinct integers in 1..MAX_BATCH_SIZE.
+
+    Call it once with what the flags or the recipe say (before any model loads) and again with
+    ``draft_vocab`` / ``max_positions`` once the models are known (before any decoding)."""
+    if shape is not None and not isinstance(shape, tuple(METHODS.values())):
+        raise DraftlabError(f"shape must be one of {', '.join(c.__name__ for c in METHODS.values())}, got {shape!r}")
+    if max_new_tokens is not None:
+        _bounded_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
+    t = _finite("temperature", temperature)
+    lo, hi = TEMPERATURE_RANGE
+    if t != 0.0 and not lo <= t <= hi:
+        raise OptionError("temperature", f"must be 0 (greedy) or in [{lo:g}, {hi:g}], got {t:g}")
+    if not _is_int(top_k) or top_k < 0:
+        raise OptionError("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
+    p = _finite("top_p", top_p)
+    if not 0.0 < p <= 1.0:
+        raise OptionError("top_p", f"must be in (0, 1], got {p:g}")
+    _bounded_int("seed", seed, *SEED_RANGE)
+    if batch_sizes is not None:
+        sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else None
+        if not sizes or any(not _is_int(b) or not 1 <= b <= MAX_BATCH_SIZE for b in sizes) or len(set(sizes)) != len(sizes):
+            raise OptionError("batch_sizes", f"must be distinct integers in 1..{MAX_BATCH_SIZE}, e.g. 1,2,4,8, got {batch_sizes!r}")
+    if draft_vocab is not None:
+        if isinstance(shape, DynamicTree) and shape.top_k > draft_vocab:
+            raise OptionError("tree.top_k", f"must be at most the draft vocabulary ({draft_vocab} tokens), got {shape.top_k}")
+        if isinstance(shape, StaticTree) and shape.max_rank > draft_vocab:
+            raise _static_tree_error(
+                f"rank {shape.max_rank - 1} is beyond the draft vocabulary: ranks must be below {draft_vocab}"
+            )
+    if max_positions is not None and max_new_tokens is not None:
+        room = max_positions - prompt_length
+        if room < 1:
+            raise DraftlabError(f"a prompt of {prompt_length} tokens leaves no room for new tokens: the target holds {max_positions} positions")
+        if max_new_tokens > room:
+            raise OptionError(
+                "max_new_tokens",
+                f"must be at most {room} (the target's {max_positions} positions less the longest prompt's {prompt_length}), got {max_new_tokens}",
+            )
+
+
+def draft_vocab_size(drafter) -> int | None:
+    """The tokens a drafter ranks its candidates over: its draft vocabulary (``d2t``), else
+    ``draft_vocab_size``, else the target's vocabulary (``vocab_size``); None if it says none."""
+    d2t = getattr(drafter, "d2t", None)
+    if isinstance(d2t, torch.Tensor) and d2t.dim() == 1:
+        return int(d2t.numel())
+    size = getattr(drafter, "draft_vocab_size", None) or getattr(drafter, "vocab_size", None)
+    return int(size) if _is_int(size) and size > 0 else None
+
+
 # ---------------------------------------------------------------------- proposers
 class Proposer:
     """Base class: a drafter seen from the decoder."""
@@ -314,6 +458,8 @@ class Proposer:
     # chained draft positions the drafter was trained to draft (None: no bound known); set by
     # load_proposer from the checkpoint's recipe (Drafter.trained_depth)
     trained_depth: int | None = None
+    # the tokens it ranks tree candidates over (None: the target's vocabulary); set by load_proposer
+    draft_vocab: int | None = None
 
     def verifier(self, target):
         """The target whose forwards verify this proposer's drafts, given the one it was loaded
@@ -401,8 +547,10 @@ def check_shape(shape, shapes: frozenset[str], drafter: str) -> None:
 PROPOSERS: Registry[type[Proposer]] = Registry("proposer")
 
 
-def load_proposer(checkpoint_dir, target) -> Proposer:
-    """The proposer of a drafter checkpoint, next to ``target``."""
+def load_proposer(checkpoint_dir, target, shape: Shape | None = None) -> Proposer:
+    """The proposer of a drafter checkpoint, next to ``target``. With ``shape``, refuse (an
+    :class:`OptionError` where an option is out of the drafter's range) a shape it cannot draft:
+    a kind it does not draft, a tree wider than its vocabulary, what :meth:`Proposer.check` refuses."""
     from draftlab.checkpoint import load_drafter
 
     drafter, meta = load_drafter(checkpoint_dir, target)
@@ -410,4 +558,9 @@ def load_proposer(checkpoint_dir, target) -> Proposer:
     recipe = meta.get("recipe")
     loss = recipe.get("loss") if isinstance(recipe, dict) else None
     proposer.trained_depth = drafter.trained_depth(loss if isinstance(loss, dict) else {})
+    proposer.draft_vocab = draft_vocab_size(drafter)
+    if shape is not None:
+        check_shape(shape, proposer.shapes, proposer.name)
+        check_decoding(shape, draft_vocab=proposer.draft_vocab)
+        proposer.check(shape, drafter)
     return proposer
