@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from draftlab.data.dataset import DataSpec
@@ -79,7 +79,7 @@ class EvalSpec(Strict):
         0.0, ge=0, lt=1, description="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this"
     )
     tree: TreeEvalSpec = TreeEvalSpec()
-    static_tree: list[list[int]] | None = Field(
+    static_tree: list[list[StrictInt]] | None = Field(
         None, validate_default=True, description="static_tree: paths of candidate ranks from the root, e.g. [[0], [1], [0, 0]]"
     )
     temperature: float = Field(0.0, ge=0)
@@ -129,6 +129,18 @@ class EvalSpec(Strict):
         if value and info.data.get("method", "chain") != "chain":
             raise PydanticCustomError("min_confidence", "applies to method chain only")
         return value
+
+    @model_validator(mode="after")
+    def _decoding_in_range(self):
+        """The decoder's one check of its options (``inference.proposer.check_decoding``)."""
+        from draftlab.inference.proposer import DynamicTree, check_decoding
+
+        try:
+            DynamicTree(**self.tree.model_dump())  # bounded whatever the method, as the CLI's flags
+            check_decoding(self.shape(), self.max_new_tokens, self.temperature, batch_sizes=self.batch_sizes)
+        except DraftlabError as e:
+            raise PydanticCustomError("decoding", str(e)) from None
+        return self
 
     def shape(self):
         """The draft shape (``draftlab.inference.proposer``) this section asks for."""

@@ -30,7 +30,7 @@ from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache, prefill
 from draftlab.inference.proposer import (
-    Block, Chain, ChainDraft, DraftTree, Proposer, RowProposers, Sampling, Shape, check_shape,
+    Block, Chain, ChainDraft, DraftTree, Proposer, RowProposers, Sampling, Shape, check_decoding, check_shape,
 )
 from draftlab.inference.tree import ancestor_mask, validate_tree
 from draftlab.kernels import accept_chains, accept_trees
@@ -132,17 +132,11 @@ class Decoder:
         return run.result()
 
     def _check(self, shape, draft_length, max_new_tokens, temperature, top_k, top_p) -> Shape | None:
-        if max_new_tokens < 1:
-            raise DraftlabError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise DraftlabError(f"temperature must be >= 0, got {temperature}")
-        if top_k < 0:
-            raise DraftlabError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not 0.0 < top_p <= 1.0:
-            raise DraftlabError(f"top_p must be in (0, 1], got {top_p}")
+        check_decoding(None, max_new_tokens, temperature, top_k, top_p)
         if self.proposer is None:
             return None
         check_shape(shape, self.proposer.shapes, self.proposer.name)
+        check_decoding(shape, draft_vocab=self.proposer.draft_vocab or self.target.vocab_size)
         if draft_length is not None and not isinstance(shape, (Chain, Block)):
             raise DraftlabError(f"a draft-length rule applies to chain and block shapes, not {shape.method}")
         return shape

@@ -191,19 +191,6 @@ def flag_names():
         raise e.renamed(FLAGS) from None
 
 
-def valid_text(value: str, where: str) -> str:
-    """``value`` if it is text that encodes as UTF-8, else a DraftlabError naming ``where``. Bytes
-    Python could not decode as UTF-8 (an argument, or a stream read with surrogateescape) arrive
-    as lone surrogates, as do JSON escapes of them; a tokenizer fails on those with a traceback."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        ch = ord(value[e.start])
-        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
-        raise DraftlabError(f"{where}: not valid UTF-8 text ({what} at character {e.start + 1})") from None
-    return value
-
-
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``draftlab eval`` and ``draftlab generate``."""
     lo, hi = TEMPERATURE_RANGE
@@ -376,9 +363,6 @@ def run(args) -> int:
         data_spec = load_recipe(args.recipe, args.overrides).data
     decoding_shape(args)
     convs = prompt_conversations(args.data, args.num_prompts, data_spec=data_spec, option="--num-prompts")
-    for _, rid, messages in convs:
-        for m in messages:
-            valid_text(m["content"], f"--data {args.data}: prompt {rid}")
     target, proposer, shape = load_models(args)
     prompts = tokenize_prompts(convs, target.tokenizer)
     check_fits(args, target, max(len(p.prompt_ids) for p in prompts))

@@ -16,7 +16,8 @@ import sys
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder
-from draftlab.inference.evaluate import add_model_arguments, check_decoding_options, check_fits, decoding_shape, load_models, valid_text
+from draftlab.inference.evaluate import add_model_arguments, check_decoding_options, check_fits, decoding_shape, load_models
+from draftlab.inference.prompts import valid_text
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prompts import chat_prompt_ids
 

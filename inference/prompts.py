@@ -55,12 +55,29 @@ def _first_user_turn(messages, where: str) -> list[dict]:
     raise DraftlabError(f"{where}: conversation has no user turn")
 
 
+def valid_text(value: str, where: str) -> str:
+    """``value`` if it is text that encodes as UTF-8, else a DraftlabError naming ``where``. Bytes
+    Python could not decode as UTF-8 (an argument, or a stream read with surrogateescape) arrive
+    as lone surrogates, as do JSON escapes of them; a tokenizer fails on those with a traceback."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(value[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+        raise DraftlabError(f"{where}: not valid UTF-8 text ({what} at character {e.start + 1})") from None
+    return value
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with opener(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DraftlabError(f"{path}:{n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})") from None
                 if line.strip():
                     rec = json.loads(line)
                     if not isinstance(rec, dict):
@@ -68,7 +85,7 @@ def _read_jsonl(path: Path) -> list[dict]:
                     records.append(rec)
     except FileNotFoundError as e:
         raise DraftlabError(f"prompt file not found: {path}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+    except (json.JSONDecodeError, OSError) as e:
         raise DraftlabError(f"{path}: not valid JSONL ({str(e).splitlines()[0]})") from e
     if not records:
         raise DraftlabError(f"{path}: no prompts in file")
@@ -194,4 +211,9 @@ def prompt_conversations(data: str, num_prompts: int | None = None, data_spec=No
         convs = _conversations_from_records(_read_jsonl(path), path)
     if num_prompts is not None and num_prompts > len(convs):
         raise DraftlabError(f"{option} {num_prompts}: {data} holds only {len(convs)} prompts")
-    return _round_robin(convs, num_prompts, key=lambda c: c[0])
+    convs = _round_robin(convs, num_prompts, key=lambda c: c[0])
+    for _, rid, messages in convs:  # before any model loads: a tokenizer fails on lone surrogates with a traceback
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                valid_text(m["content"], f"{data}: prompt {rid}")
+    return convs

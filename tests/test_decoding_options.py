@@ -297,6 +297,39 @@ def test_eval_refuses_a_prompt_file_that_is_not_text(tiny_target_dirs, tmp_path,
     lone = tmp_path / "lone.jsonl"  # valid UTF-8 JSON whose string holds a lone surrogate
     lone.write_text('{"turns": ["hello \\udcff"], "question_id": 7}\n')
     _refused(run(lone), capsys, str(lone), "prompt 7", "0xff")
-    raw = tmp_path / "raw.jsonl"  # bytes that are not UTF-8
-    raw.write_bytes(b'{"turns": ["hello \xff"]}\n')
-    _refused(run(raw), capsys, str(raw))
+    raw = tmp_path / "raw.jsonl"  # bytes that are not UTF-8, on its second line
+    raw.write_bytes(b'{"turns": ["hello"]}\n{"turns": ["hello \xff"]}\n')
+    _refused(run(raw), capsys, f"{raw}:2", "0xff")
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("eval.k=1000000000", ["eval", "k must be an integer in 1..64"]),
+    ("eval.temperature=.inf", ["eval", "temperature", "finite"]),
+    ("eval.tree.depth=100000", ["eval", "depth must be an integer in 1..1024"]),
+    ("eval.max_new_tokens=10000000", ["eval", "max_new_tokens must be an integer in 1..131072"]),
+])
+def test_a_recipes_eval_section_is_bounded_as_the_flags_are(tmp_path, override, needles):
+    """The recipe's eval section goes through the decoder's one check (before training starts)."""
+    from draftlab.errors import DraftlabError
+    from draftlab.recipe import load_recipe
+
+    with pytest.raises(DraftlabError) as e:
+        load_recipe("recipes/smollm2-135m-eagle3.yaml", [override])
+    assert all(n in str(e.value) for n in needles) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(DraftlabError, match="static_tree"):  # a bool is not a rank
+        load_recipe("recipes/smollm2-135m-eagle3.yaml", ["eval.method=static_tree", "eval.static_tree=[[true]]"])
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(temperature=float("nan")), "temperature"), (dict(top_k=-1), "top_k"),
+                                       (dict(max_new_tokens=10**9), "max_new_tokens")])
+def test_the_decoder_applies_the_same_check(tiny_llama, kw, needle):
+    from draftlab.errors import DraftlabError
+    from draftlab.inference.decoder import Decoder, generate_plain
+    from draftlab.inference.ngram import NgramProposer
+    from draftlab.inference.proposer import Chain
+
+    args = dict(max_new_tokens=4, **kw) if "max_new_tokens" not in kw else kw
+    with pytest.raises(DraftlabError, match=needle):
+        generate_plain(tiny_llama, [1, 2, 3], **args)
+    with pytest.raises(DraftlabError, match=needle):
+        Decoder(tiny_llama, NgramProposer()).generate([[1, 2, 3]], shape=Chain(2), **args)
