@@ -135,15 +135,15 @@ BAD_OPTIMIZERS = {
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[:200]), "not a readable optimizer state"),
     "missing": (lambda p: p.unlink(), "missing"),
     "a list": (lambda p: torch.save([1, 2], p), "not an optimizer state"),
-    "no scheduler": (lambda p: torch.save({"optimizer": torch.load(p)["optimizer"]}, p), "not an optimizer state"),
+    "no scheduler": (lambda p: torch.save({"optimizer": torch.load(p, weights_only=True)["optimizer"]}, p), "not an optimizer state"),
     "moments of another shape": (
-        lambda p: torch.save(_mutate(torch.load(p), lambda s: s["optimizer"]["state"][0].update(
+        lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["state"][0].update(
             exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))), p), "of shape (3,)"),
     "another parameter count": (
-        lambda p: torch.save(_mutate(torch.load(p), lambda s: s["optimizer"]["param_groups"][0]["params"].pop()), p),
+        lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["param_groups"][0]["params"].pop()), p),
         "does not fit this drafter"),
     "scheduler step a string": (
-        lambda p: torch.save(_mutate(torch.load(p), lambda s: s["scheduler"].update(last_epoch="2")), p),
+        lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["scheduler"].update(last_epoch="2")), p),
         "scheduler field 'last_epoch' must be an integer"),
 }
 
