@@ -57,8 +57,9 @@ class DraftLength:
         return self.tokens(k) / self.cost[min(self.cost, key=lambda b: (abs(b - B), b))][k]
 
     def __call__(self, B: int) -> int:
-        best = max(range(self.max_k + 1), key=lambda k: self.rate(B, k))
-        return best if self.rate(B, best) > 1 + self.margin else 0
+        rates = [self.rate(B, k) for k in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        return best if rates[best] > 1 + self.margin else 0
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         for d, n in zip(drafted, accepted):

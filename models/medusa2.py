@@ -59,6 +59,14 @@ def check_lora_targets(targets) -> list[str]:
     return [t for t in LORA_TARGETS if t in targets]
 
 
+def _validated_targets(targets, error):
+    """:func:`check_lora_targets` for a pydantic validator: ``error(problem)`` is what it raises."""
+    try:
+        return check_lora_targets(targets)
+    except ValueError as e:
+        raise error(str(e)) from None
+
+
 class Medusa2Config(MedusaConfig):
     lora_r: int = Field(32, ge=1, description="LoRA rank of every adapted projection")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scale alpha: the update is B A * alpha / r")
@@ -67,10 +75,7 @@ class Medusa2Config(MedusaConfig):
     @field_validator("lora_targets")
     @classmethod
     def _known_targets(cls, v):
-        try:
-            return check_lora_targets(v)
-        except ValueError as e:
-            raise PydanticCustomError("lora_targets", str(e)) from None
+        return _validated_targets(v, lambda problem: PydanticCustomError("lora_targets", problem))
 
 
 class Medusa2Meta(MedusaMeta):
@@ -81,10 +86,7 @@ class Medusa2Meta(MedusaMeta):
     @field_validator("lora_targets")
     @classmethod
     def _known_targets(cls, v):
-        try:
-            return check_lora_targets(v)
-        except ValueError as e:
-            raise PydanticCustomError("meta_choice", "is refused: {problem}", {"problem": str(e)}) from None
+        return _validated_targets(v, lambda problem: PydanticCustomError("meta_choice", "is refused: {problem}", {"problem": problem}))
 
 
 class Medusa2Loss(MedusaLoss):
