@@ -78,6 +78,7 @@ class Format:
     engines: tuple[str, ...] = ()  # `draftlab export --to` values served by this format
     renames: tuple[tuple[str, str], ...] = ()  # (draftlab prefix, format prefix)
     title: str = ""  # one line for the model card
+    standalone: bool = False  # the layout holds a model that drafts from tokens alone (reads no target hidden state)
 
     # ---- names ------------------------------------------------------------------
     def to_format(self, name: str) -> str:
@@ -131,6 +132,10 @@ class Format:
         """Every tensor of the layout's directory ``src``, by the layout's names. Layouts with
         their own file names override this."""
         return read_tensors(src)
+
+    def check_source(self, src: Path, config: dict, target) -> None:
+        """Refuse (DraftlabError) what else the directory ``src`` holds that does not fit
+        ``target`` (its tokenizer, say). Default: nothing else is read."""
 
     def import_meta(self, config: dict, tensors: dict[str, torch.Tensor], target) -> dict:
         """The drafter meta (``Drafter.from_meta``) a foreign config describes, validated

@@ -40,6 +40,7 @@ def import_checkpoint(src, format_name: str, out, target="default", overwrite: b
     config = read_config(src)
     raw = fmt.read_tensors(src)
     target = load_target(target)
+    fmt.check_source(src, config, target)
 
     tensors: dict = {}
     for name, t in raw.items():

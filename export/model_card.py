@@ -68,14 +68,15 @@ def render(meta: dict, fmt, drafter, config: dict, engine: str, out: str, source
         "",
         f"- name: `{target_name}` (source: {t.get('source', '?')})",
         f"- family `{t.get('model_type')}`, {t.get('num_hidden_layers')} layers, hidden {t.get('hidden_size')}, vocab {t.get('vocab_size')}",
-        "- the drafter only works next to this target (it reads its hidden states and shares its embedding)",
+        "- the drafter is a standalone causal LM of the target's vocabulary: it drafts from tokens alone"
+        if fmt.standalone else "- the drafter only works next to this target (it reads its hidden states and shares its embedding)",
         "",
         "## Drafter",
         "",
         f"- algorithm `{meta['algorithm']}`, {n_params / 1e6:.2f}M parameters; architecture: {_scalars(d)}",
     ]
     for key in ("aux_layers", "target_layers"):  # EAGLE-3's and the diffusion drafter's name for them
-        if key in d:
+        if key in d and not fmt.standalone:
             lines.append(f"- fused target hidden states (draftlab `{key}`, HF `hidden_states` indices): {d[key]}")
     if "draft_vocab_size" in d:
         lines.append(f"- draft vocabulary: {d['draft_vocab_size']} of {d.get('vocab_size')} target tokens")

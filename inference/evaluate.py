@@ -153,6 +153,7 @@ def evaluate(
         "target": dict(getattr(target, "identity", {})),
         "data": data,
         **shape_fields(shape),
+        **draft_cache_fields(proposer, target),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
@@ -165,6 +166,16 @@ def evaluate(
         "prompts": per_prompt,
         **({"verifier_check": verifier_note} if verifier_note else {}),
     }
+
+
+def draft_cache_fields(proposer: Proposer, target) -> dict:
+    """``draft_kv_cache``: the drafter's own KV cache per token of context beside the target's,
+    when the proposer says it keeps one (a draft model's is a real cost beside the target's)."""
+    draft = getattr(proposer, "cache_bytes_per_token", None)
+    if draft is None:
+        return {}
+    base = target.kv_bytes_per_token
+    return {"draft_kv_cache": {"bytes_per_token": draft, "target_bytes_per_token": base, "share": draft / base}}
 
 
 def _device_name(device: torch.device) -> str:
@@ -194,7 +205,10 @@ def flag_names():
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``draftlab eval`` and ``draftlab generate``."""
     lo, hi = TEMPERATURE_RANGE
-    p.add_argument("--drafter", required=True, help="drafter checkpoint directory, or 'ngram' (prompt lookup)")
+    p.add_argument("--drafter", required=True,
+                   help="drafter checkpoint directory, 'ngram' (prompt lookup) or another training-free drafter's name")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of a training-free drafter other than ngram (repeat for more)")
     p.add_argument("--target", default="default", help="HF dir, hub id, .gguf file or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--method", choices=list(METHODS), default="chain",
                    help="draft shape: chain, tree (EAGLE-2 dynamic tree), static_tree (needs --tree-choices) or block")
@@ -314,6 +328,28 @@ def check_fits(args, target, prompt_length: int) -> None:
                        prompt_length=prompt_length)
 
 
+def free_drafter(args, shape: Shape):
+    """For ``--drafter NAME`` of a training-free drafter (:data:`FREE_DRAFTERS`): its
+    ``--drafter-option`` values and the shape checked, the function that builds its proposer
+    next to the target; None for 'ngram' or a checkpoint directory."""
+    from draftlab.inference.proposer import FREE_DRAFTERS
+
+    pairs = [o.partition("=") for o in args.drafter_option]
+    names = [] if args.drafter == "ngram" else FREE_DRAFTERS.names()
+    if args.drafter not in names:
+        if args.drafter != "ngram" and not Path(args.drafter).is_dir():
+            raise DraftlabError(f"--drafter: no checkpoint directory at {args.drafter} (or pass one of: ngram, {', '.join(names)})")
+        if pairs:
+            raise DraftlabError(f"--drafter-option applies to a training-free drafter other than 'ngram', not to {args.drafter}")
+        return None
+    for option, (key, eq, _) in zip(args.drafter_option, pairs):
+        if not key or not eq:
+            raise DraftlabError(f"--drafter-option: expected KEY=VALUE, got {option!r}")
+    cls = FREE_DRAFTERS.get(args.drafter)
+    check_shape(shape, cls.shapes, cls.name)
+    return cls.from_options({key: value for key, _, value in pairs})
+
+
 def load_models(args) -> tuple:
     """(target, proposer, shape) from the shared flags; the flags are checked first, and the
     shape against the drafter (its vocabulary, what its family drafts) before it returns."""
@@ -321,12 +357,11 @@ def load_models(args) -> tuple:
 
     check_decoding_options(args)
     shape = decoding_shape(args)
-    if args.drafter == "ngram" and (args.lookup_min_match or args.min_confidence):
-        raise DraftlabError("--lookup-min-match and --min-confidence apply to a trained drafter, not to 'ngram'")
+    build = free_drafter(args, shape)
+    if (args.drafter == "ngram" or build) and (args.lookup_min_match or args.min_confidence):
+        raise DraftlabError(f"--lookup-min-match and --min-confidence apply to a trained drafter, not to '{args.drafter}'")
     if args.lookup_min_match and args.method != "chain":
         raise DraftlabError("--lookup-min-match drafts chains: use --method chain")
-    if args.drafter != "ngram" and not Path(args.drafter).is_dir():
-        raise DraftlabError(f"--drafter: no checkpoint directory at {args.drafter} (or pass 'ngram')")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = Target.load(args.target, dtype=args.dtype, device=device)
     with flag_names():
@@ -335,6 +370,8 @@ def load_models(args) -> tuple:
 
             proposer = NgramProposer(args.ngram_max, args.ngram_min)
             check_shape(shape, proposer.shapes, proposer.name)
+        elif build:
+            proposer = build(target)
         else:
             proposer = load_proposer(args.drafter, target, shape)
         check_decoding(shape, draft_vocab=proposer.draft_vocab or target.vocab_size)

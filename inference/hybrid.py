@@ -25,6 +25,7 @@ class LookupFirstProposer(Proposer):
         self.name = f"lookup+{drafter.name}"
         self.layers = drafter.layers
         self.draft_vocab = drafter.draft_vocab
+        self.cache_bytes_per_token = drafter.cache_bytes_per_token
         self.lookup_steps = 0  # steps drafted by prompt lookup (the rest: by the drafter)
 
     def fork(self) -> "LookupFirstProposer":

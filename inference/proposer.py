@@ -460,6 +460,9 @@ class Proposer:
     trained_depth: int | None = None
     # the tokens it ranks tree candidates over (None: the target's vocabulary); set by load_proposer
     draft_vocab: int | None = None
+    # bytes per token of context of the drafter's own KV cache (None: it keeps none or does not
+    # say); a report states it as a share of the target's
+    cache_bytes_per_token: int | None = None
 
     def verifier(self, target):
         """The target whose forwards verify this proposer's drafts, given the one it was loaded
@@ -545,6 +548,13 @@ def check_shape(shape, shapes: frozenset[str], drafter: str) -> None:
 # Proposer classes by drafter ``algorithm`` (built as ``cls(drafter)``), registered where they
 # are defined; the training-free "ngram" is registered too but built with its own options.
 PROPOSERS: Registry[type[Proposer]] = Registry("proposer")
+
+# Training-free drafters other than "ngram" (which keeps its own flags), built by name
+# (``--drafter NAME``) rather than from a checkpoint, registered where they are defined. Each
+# class has ``from_options(options)``: it checks ``options`` (the ``--drafter-option`` KEY=VALUE
+# pairs, values as strings; a one-line DraftlabError naming the bad one) before any model loads
+# and returns the function that builds the proposer next to the loaded target.
+FREE_DRAFTERS: Registry[type[Proposer]] = Registry("training-free drafter")
 
 
 def load_proposer(checkpoint_dir, target, shape: Shape | None = None) -> Proposer:

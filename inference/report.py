@@ -102,6 +102,10 @@ def _batches_label(batches: dict) -> str:
 def markdown(report: dict) -> str:
     title = report.get("label") or "Acceptance report"
     text = f"# {title}\n\n{_describe(report)}\n\n{markdown_table(report)}"
+    cache = report.get("draft_kv_cache")
+    if cache:
+        text += (f"\ndrafter KV cache: {cache['bytes_per_token']:,} bytes per token of context, "
+                 f"{100 * cache['share']:.1f} % of the target's {cache['target_bytes_per_token']:,}\n")
     if report.get("batches"):
         text += f"\nspeedup by batch size ({_batches_label(report['batches'])}):\n\n"
         text += batch_table(report["batches"])

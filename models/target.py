@@ -213,8 +213,10 @@ class RaggedKVCache:
     def begin(self, T: int, offsets: torch.Tensor | None, new_mask: torch.Tensor | None):
         """Position ids [B, T] (``lengths[b]`` + offsets, default 0..T-1) and the attention mask
         [B, T, max(lengths) + T] of a forward of T inputs per row; ``new_mask`` [B or 1, T, T]
-        says which new inputs see which (default causal). Remembers the write slots and the row
-        groups attention runs in (:meth:`update`)."""
+        says which new inputs see which (default causal), or, given over that whole span, also
+        which of each row's past slots they see (a draft tree grown level by level in the cache
+        hides the other branches); slots beyond a row's past and new inputs stay hidden.
+        Remembers the write slots and the row groups attention runs in (:meth:`update`)."""
         dev = self.k.device
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         steps = torch.arange(T, device=dev)
@@ -224,11 +226,15 @@ class RaggedKVCache:
             raise ValueError(f"KV cache: {self._span} slots needed, {self.max_len} allocated")
         self._groups = attention_groups([n + T for n in self.lengths])
         positions = lengths + (steps[None] if offsets is None else offsets)
-        if new_mask is None:
-            new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
         span = torch.arange(self._span, device=dev)[None]  # [1, S]
         rel = span - lengths  # [B, S]: slot index among the row's new inputs
         inside = (rel >= 0) & (rel < T)
+        if new_mask is not None and new_mask.shape[-1] != T:
+            if new_mask.shape[-1] != self._span:
+                raise ValueError(f"KV cache: attention mask over {new_mask.shape[-1]} slots, expected {T} or {self._span}")
+            return positions, new_mask & ((span < lengths) | inside)[:, None]
+        if new_mask is None:
+            new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
         new = new_mask.expand(len(self.lengths), T, T).gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1))
         mask = (span < lengths)[:, None] | (inside[:, None] & new)
         return positions, mask
@@ -361,6 +367,16 @@ class Target:
         return self.config.vocab_size
 
     @property
+    def head_dim(self) -> int:
+        c = self.config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes its KV cache holds per token of context: keys and values of every layer."""
+        return 2 * self.num_layers * self.config.num_key_value_heads * self.head_dim * self.dtype.itemsize
+
+    @property
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
@@ -398,10 +414,8 @@ class Target:
         rooms differ by a few slots (a speculative decoder's holds its drafts) lay out their
         rows alike: a different row stride alone measurably changes a step's time, which would
         bias speedups measured against plain decoding."""
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         max_len = -(-max_len // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
-        shape = (self.num_layers, batch_size, c.num_key_value_heads, max_len, head_dim)
+        shape = (self.num_layers, batch_size, self.config.num_key_value_heads, max_len, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.dtype, device=self.device)
         if ragged:
@@ -427,7 +441,9 @@ class Target:
           left-padded capture). Default is causal over the cache plus the new tokens.
         * With a :class:`RaggedKVCache`, row b's inputs go to slots ``lengths[b]..+T`` and every
           length grows by T; ``position_ids`` are then offsets from each row's length (default
-          0..T-1) and ``attn_mask`` [B or 1, T, T] is among the new inputs (default causal).
+          0..T-1) and ``attn_mask`` [B or 1, T, T] is among the new inputs (default causal), or
+          [B or 1, T, max(lengths) + T] over each row's past and new slots as well
+          (:meth:`RaggedKVCache.begin`).
         * ``logits``: "all", "last" or None.
         """
         B, T = input_ids.shape

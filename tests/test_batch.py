@@ -224,7 +224,8 @@ def test_rows_leave_the_batch_at_their_own_end(tiny_llama, prompts, alone):
 
 
 @pytest.mark.parametrize("algorithm,shape", [("eagle3", Chain(3)), ("eagle1", DynamicTree(3, 2, 8)), ("medusa", Chain(2)),
-                                             ("diffusion", Block(3)), ("ngram", Chain(3)), ("ngram", DynamicTree(3, 2, 8))])
+                                             ("diffusion", Block(3)), ("draft_lm", Chain(3)), ("draft_lm", DynamicTree(3, 2, 8)),
+                                             ("ngram", Chain(3)), ("ngram", DynamicTree(3, 2, 8))])
 def test_every_family_decodes_batches_losslessly(tiny_llama, prompts, alone, algorithm, shape):
     if algorithm == "ngram":
         proposer = NgramProposer(3, 1)

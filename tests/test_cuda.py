@@ -55,7 +55,8 @@ def _count_kernel_calls(monkeypatch) -> Counter:
 
 
 @pytest.mark.parametrize("algorithm,shape", [("eagle3", Chain(3)), ("eagle1", DynamicTree(3, 2, 8)), ("medusa", Chain(2)),
-                                             ("diffusion", Block(3)), ("ngram", Chain(3)), ("ngram", DynamicTree(3, 2, 8))])
+                                             ("diffusion", Block(3)), ("draft_lm", Chain(3)), ("draft_lm", DynamicTree(3, 2, 8)),
+                                             ("ngram", Chain(3)), ("ngram", DynamicTree(3, 2, 8))])
 def test_every_family_decodes_batches_on_cuda(tiny_llama, cuda_llama, prompts, algorithm, shape, tmp_path, monkeypatch):
     proposer = _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "ckpt")
     plain = [r.tokens for r in generate_plain_batch(cuda_llama, prompts, N_NEW).rows]
