@@ -3,8 +3,9 @@
 A kill at any moment leaves either the old file (directory) or the new one, never half of
 one, and a leftover temporary is a dot-file that no reader looks at. A write that fails (a full
 disk, a directory that cannot be written, a read-only file system, a path below a regular file)
-removes its temporary and is a one-line :class:`DraftlabError` naming the path; the file it
-meant to replace is untouched.
+removes its temporary, and any folder it made, and is a one-line :class:`DraftlabError` naming
+the path; the file it meant to replace is untouched. Logs are appended (:func:`append_bytes`):
+a failed append is cut back off, so they hold whole records only.
 
 Every byte goes through :func:`_write_all` (the tests make it fail as a full disk would).
 Library writers that want a path of their own (``safetensors.save_file``, ``fig.savefig``)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -44,22 +46,58 @@ def _write_all(fd: int, data, path: Path) -> None:
         view = view[n:]
 
 
+def _in_the_way(d: Path) -> str:
+    """Why directory ``d`` cannot be made when a file sits where it or a folder above it would be."""
+    file = next((a for a in (d, *d.parents) if a.exists() and not a.is_dir()), None)
+    return f"{file} is a file, not a directory" if file is not None else ""
+
+
 def _parent(path: Path) -> Path:
     parent = path.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise error(path, e, "cannot create its directory") from None
-    if not parent.is_dir():
-        raise DraftlabError(f"{path}: cannot create its directory ({parent} is not a directory)")
+        raise DraftlabError(f"{path}: cannot create its directory ({_in_the_way(parent) or reason(e)})") from None
     return parent
+
+
+@contextlib.contextmanager
+def _no_new_dirs_on_failure(*paths: Path) -> Iterator[None]:
+    """A write that fails removes the directories above ``paths`` that it created (when still
+    empty): it leaves nothing behind, not even the folders it made."""
+    missing = set()
+    for path in paths:
+        d = Path(path).parent
+        while d != d.parent and not d.exists():
+            missing.add(d)
+            d = d.parent
+    try:
+        yield
+    except BaseException:
+        for d in sorted(missing, key=lambda d: -len(d.parts)):  # deepest first; rmdir takes empty ones only
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# tempfile makes files 0600 and folders 0700 (private while half-written); what it publishes gets the
+# modes open() and mkdir() would give, so an export or a checkpoint stays readable by a serving user
+_UMASK = _umask()
 
 
 def _temp(path: Path) -> tuple[int, str]:
     try:
-        return tempfile.mkstemp(dir=_parent(path), prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=_parent(path), prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
         raise error(path, e, "cannot write here") from None
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    return fd, tmp
 
 
 def _remove(tmp) -> None:
@@ -82,35 +120,50 @@ def write_file(path, write: Callable[[str], None], durable: bool = False) -> Pat
     ``durable`` fsyncs it first (shards a resumed capture trusts by checksum). Prefer
     :func:`write_bytes`: only it goes through the one low-level write."""
     path = Path(path)
-    fd, tmp = _temp(path)
-    os.close(fd)
-    try:
-        write(tmp)
-        if durable:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        _remove(tmp)
-        if isinstance(e, OSError):
-            raise error(path, e) from None
-        raise
+    with _no_new_dirs_on_failure(path):
+        fd, tmp = _temp(path)
+        os.close(fd)
+        try:
+            write(tmp)
+            if durable:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            _remove(tmp)
+            if isinstance(e, OSError):
+                raise error(path, e) from None
+            raise
     return path
 
 
 def write_bytes(path, data, durable: bool = False) -> Path:
     """``data`` (bytes or any buffer) into ``path``, atomically."""
     path = Path(path)
-    fd, tmp = _temp(path)
-    try:
-        _fill(fd, data, path, durable)
-        os.replace(tmp, path)
-    except BaseException as e:
-        _remove(tmp)
-        if isinstance(e, OSError):
-            raise error(path, e) from None
-        raise
+    with _no_new_dirs_on_failure(path):
+        fd, tmp = _temp(path)
+        try:
+            _fill(fd, data, path, durable)
+            os.replace(tmp, path)
+        except BaseException as e:
+            _remove(tmp)
+            if isinstance(e, OSError):
+                raise error(path, e) from None
+            raise
     return path
+
+
+def copy_file(src, path, durable: bool = False) -> Path:
+    """The bytes of the file ``src`` into ``path``, atomically (mapped, not read into memory)."""
+    src = Path(src)
+    try:
+        with open(src, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return write_bytes(path, b"", durable)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return write_bytes(path, data, durable)
+    except OSError as e:
+        raise error(src, e, "cannot read") from None
 
 
 def write_text(path, text: str, durable: bool = False) -> Path:
@@ -129,53 +182,63 @@ def write_files(files: Mapping[Path, bytes], durable: bool = False) -> list[Path
     """Several files as one: every temporary is written first, then all are renamed into place.
     A failed write leaves none of them changed (and no temporary behind)."""
     staged: list[tuple[Path, str]] = []
-    try:
-        for path, data in files.items():
-            path = Path(path)
-            fd, tmp = _temp(path)
-            staged.append((path, tmp))
-            try:
-                _fill(fd, data, path, durable)
-            except OSError as e:
-                raise error(path, e) from None
-        for i, (path, tmp) in enumerate(staged):
-            try:
-                os.replace(tmp, path)
-            except OSError as e:
-                raise error(path, e) from None
-            staged[i] = (path, "")
-    except BaseException:
-        for _, tmp in staged:
-            if tmp:
-                _remove(tmp)
-        raise
+    with _no_new_dirs_on_failure(*files):
+        try:
+            for path, data in files.items():
+                path = Path(path)
+                fd, tmp = _temp(path)
+                staged.append((path, tmp))
+                try:
+                    _fill(fd, data, path, durable)
+                except OSError as e:
+                    raise error(path, e) from None
+            for i, (path, tmp) in enumerate(staged):
+                try:
+                    os.replace(tmp, path)
+                except OSError as e:
+                    raise error(path, e) from None
+                staged[i] = (path, "")
+        except BaseException:
+            for _, tmp in staged:
+                if tmp:
+                    _remove(tmp)
+            raise
     return [Path(p) for p in files]
 
 
 def append_text(path, text: str, durable: bool = False) -> Path:
     """Append ``text`` to ``path`` (a log: JSONL records). A failed append is cut back off, so
     the file holds whole records only."""
+    return append_bytes(path, text.encode("utf-8"), durable)
+
+
+def append_bytes(path, data, durable: bool = False) -> Path:
+    """Append ``data`` (whole records of a log) to ``path``. A failed append is cut back off, and
+    a file (or directory) this call created is removed again: nothing is left of a failed record."""
     path = Path(path)
-    _parent(path)
-    data = text.encode("utf-8")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    except OSError as e:
-        raise error(path, e) from None
-    try:
-        size = os.fstat(fd).st_size
+    existed = path.exists()
+    with _no_new_dirs_on_failure(path):
         try:
-            _write_all(fd, data, path)
-            if durable:
-                os.fsync(fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
-            raise
-    except OSError as e:
-        raise error(path, e) from None
-    finally:
-        os.close(fd)
+            _parent(path)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise error(path, e) from None
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                _write_all(fd, data, path)
+                if durable:
+                    os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                if not existed:  # it would hold nothing but the failed record
+                    _remove(path)
+                raise
+        except OSError as e:
+            raise error(path, e) from None
+        finally:
+            os.close(fd)
     return path
 
 
@@ -187,9 +250,7 @@ def writable_dir(path, label: str = "") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DraftlabError(f"{where}: cannot create this directory ({reason(e)})") from None
-    if not path.is_dir():
-        raise DraftlabError(f"{where}: not a directory")
+        raise DraftlabError(f"{where}: cannot create this directory ({_in_the_way(path) or reason(e)})") from None
     try:
         fd, tmp = tempfile.mkstemp(dir=path, prefix=".probe-", suffix=".tmp")
     except OSError as e:
@@ -205,7 +266,7 @@ def make_dir(path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise error(path, e, "cannot create this directory") from None
+        raise DraftlabError(f"{path}: cannot create this directory ({_in_the_way(path) or reason(e)})") from None
     return path
 
 
@@ -213,15 +274,19 @@ def staging_dir(final: Path) -> Path:
     """An empty temporary sibling of ``final`` to fill and then :func:`publish`."""
     final = Path(final)
     try:
-        return Path(tempfile.mkdtemp(dir=_parent(final), prefix=f".tmp-{final.name}-"))
+        tmp = Path(tempfile.mkdtemp(dir=_parent(final), prefix=f".tmp-{final.name}-"))
     except OSError as e:
         raise error(final, e, "cannot write here") from None
+    tmp.chmod(0o777 & ~_UMASK)
+    return tmp
 
 
 def publish(tmp: Path, final: Path) -> None:
     """Rename a finished staging directory into place (replacing an older one, which comes back
     if the rename fails)."""
     final = Path(final)
+    if final.exists() and not final.is_dir():
+        raise DraftlabError(f"{final}: a file, not a directory (left as it is)")
     try:
         if final.exists():
             old = final.with_name(f".old-{final.name}")
@@ -242,14 +307,23 @@ def publish(tmp: Path, final: Path) -> None:
 @contextlib.contextmanager
 def directory(final) -> Iterator[Path]:
     """``with directory(out) as tmp: ...`` fills ``tmp``; on success it becomes ``out``, on any
-    error it is removed and ``out`` is untouched."""
+    error it is removed (and any folder made for it) and ``out`` is untouched."""
     final = Path(final)
-    tmp = staging_dir(final)
-    try:
-        yield tmp
-        publish(tmp, final)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise error(final, e) from None
-        raise
+    with _no_new_dirs_on_failure(final):
+        tmp = staging_dir(final)
+        try:
+            yield tmp
+            publish(tmp, final)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise error(final, e) from None
+            if isinstance(e, DraftlabError):
+                raise naming(e, tmp, final) from None
+            raise
+
+
+def naming(e: DraftlabError, tmp: Path, final: Path) -> DraftlabError:
+    """``e`` naming ``final`` where it names the staging directory ``tmp``: the user asked for the one
+    and never sees the other."""
+    return DraftlabError(str(e).replace(str(tmp), str(final)))

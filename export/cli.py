@@ -9,11 +9,13 @@ from draftlab.export.formats import engines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from draftlab.inference.proposer import MAX_K
+
     p.add_argument("checkpoint", help="draftlab checkpoint directory (e.g. runs/x/checkpoints/step-0000500)")
     p.add_argument("--to", required=True, choices=engines(), help="serving engine whose layout to write (hf: draftlab's own layout)")
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--target", default="default", help="the target the checkpoint was trained for (HF dir, hub id, .gguf, 'default')")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="written into serving configs; default: the recipe's eval.k, else 3")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help=f"written into serving configs (1..{MAX_K}); default: the recipe's eval.k, else 3")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast weights (default: as stored)")
     p.add_argument("--verifier", default=None, help="verifier name_or_path written into the speculators config (default: the target's name)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -25,11 +27,13 @@ def run(args) -> int:
     from draftlab.export.formats import ExportOptions
     from draftlab.checkpoint import read_meta
 
-    k = args.num_speculative_tokens
+    from draftlab.inference.proposer import MAX_K
+
+    k, where = args.num_speculative_tokens, "--num-speculative-tokens"
     if k is None:
-        k = default_speculative_tokens(read_meta(args.checkpoint))
-    if k < 1:
-        raise DraftlabError(f"--num-speculative-tokens must be >= 1, got {k}")
+        k, where = default_speculative_tokens(read_meta(args.checkpoint)), f"{args.checkpoint}: recipe.eval.k"
+    if not 1 <= k <= MAX_K:  # the chain lengths draftlab decodes with, checked before anything loads
+        raise DraftlabError(f"{where} must be in 1..{MAX_K}, got {k}")
     opts = ExportOptions(speculative_tokens=k, dtype=args.dtype, verifier=args.verifier)
     out = export_checkpoint(args.checkpoint, args.to, args.out, args.target, opts, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} for {args.to} -> {out} (see {out}/README.md)")

@@ -16,7 +16,11 @@ def default_speculative_tokens(meta: dict) -> int:
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    """Before any work: ``out`` is new, an empty directory, or a directory ``overwrite`` may replace
+    (never a file: --overwrite replaces directories)."""
+    if out.exists() and not out.is_dir():
+        raise DraftlabError(f"output {out} is a file, not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise DraftlabError(f"output {out} exists and is not empty (pass --overwrite to replace it)")
 
 

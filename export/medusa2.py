@@ -10,7 +10,6 @@ drafter (``--format medusa-vllm``), there are no adapters to read back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from draftlab import atomic
@@ -70,12 +69,12 @@ def export_merged_target(checkpoint_dir, base_target, out_dir, overwrite: bool =
     with atomic.directory(out) as tmp:
         model.save_pretrained(tmp / MERGED_DIR)
         base_target.tokenizer.save_pretrained(tmp / MERGED_DIR)
-        (tmp / MERGED_DIR / "draftlab_merge.json").write_text(json.dumps({
+        atomic.write_json(tmp / MERGED_DIR / "draftlab_merge.json", {
             "merged_from": str(checkpoint_dir), "base_target": base_target.identity,
             "lora": {"r": drafter.lora_r, "alpha": drafter.lora_alpha, "targets": drafter.lora_targets},
-        }, indent=2) + "\n")
+        })
         opts = ExportOptions(speculative_tokens=min(default_speculative_tokens(meta), drafter.num_heads), verifier=str(out / MERGED_DIR))
         heads = export_checkpoint(checkpoint_dir, "vllm", tmp / HEADS_DIR, base_target, opts)
         card = heads / "README.md"  # it names the directory it was written to: the staging one
-        card.write_text(card.read_text().replace(str(tmp), str(out)))
+        atomic.write_text(card, card.read_text().replace(str(tmp), str(out)))
     return out

@@ -40,6 +40,7 @@ from draftlab.models.drafter import (
     TargetNumLayers,
     TargetValue,
     TargetVocabSize,
+    check_rope,
 )
 
 # beyond this a meta is corrupt, not a draft model (the deepest published LLMs have ~126 layers)
@@ -107,6 +108,11 @@ class HFConfigMeta(DrafterMeta):
         if v != "silu":
             raise PydanticCustomError("meta_choice", "is not silu (the only activation draftlab's decoding runs)", {})
         return v
+
+    @field_validator("rope_parameters")
+    @classmethod
+    def _rope(cls, v):
+        return check_rope(v)
 
     @field_validator("num_key_value_heads")
     @classmethod

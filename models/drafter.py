@@ -21,6 +21,7 @@ Shapes below: B batch rows, T positions, H the target's hidden size, V the targe
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar
 
@@ -217,6 +218,25 @@ class ShapeMeta(LayerShape):
         if v % 2:
             raise PydanticCustomError("meta_range", "is odd (RoPE rotates pairs of channels)", {})
         return v
+
+    @field_validator("rope")
+    @classmethod
+    def _finite_rope(cls, v):
+        return check_rope(v)
+
+
+def check_rope(v: dict) -> dict:
+    """RoPE settings as metadata: the rotary table is computed from these numbers, and one that is
+    not finite (JSON readers take NaN and Infinity) or a theta that is not positive makes every
+    position's rotation NaN."""
+    for key, x in v.items():
+        for n in x if isinstance(x, list) else [x]:
+            if isinstance(n, float) and not math.isfinite(n):
+                raise PydanticCustomError("meta_range", "has {key} {n}, not a finite number", {"key": key, "n": n})
+    theta = v.get("rope_theta", 1.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise PydanticCustomError("meta_range", "has rope_theta {theta}, not a positive number", {"theta": _show(theta)})
+    return v
 
 
 # rendering of pydantic's error types as the end of "drafter.<field> = <value> ..."

@@ -108,5 +108,10 @@ def test_an_output_that_cannot_be_written_is_one_line_error(checkpoint, tiny_lla
     public = export_checkpoint(checkpoint, "vllm", tmp_path / "public", tiny_llama)
     with pytest.raises(DraftlabError, match="a-file"):
         import_checkpoint(public, "speculators", blocker / "out", tiny_llama)
-    with pytest.raises(DraftlabError, match="a-file"):
+    with pytest.raises(DraftlabError, match="a-file is a file, not a directory"):
         atomic.write_json(blocker / "report.json", {})
+    for write in (lambda: export_checkpoint(checkpoint, "vllm", blocker, tiny_llama, overwrite=True),
+                  lambda: import_checkpoint(public, "speculators", blocker, tiny_llama, overwrite=True)):
+        with pytest.raises(DraftlabError, match="a-file is a file, not a directory"):  # --overwrite replaces directories only
+            write()
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "ckpt", "public"]

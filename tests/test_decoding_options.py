@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -132,6 +133,25 @@ def test_eval_refuses_out_of_range_flags_before_loading(tiny_target_dirs, tmp_pa
 )
 def test_generate_refuses_out_of_range_flags_before_loading(tiny_target_dirs, capsys, no_model_loads, flags, needles):
     _refused(_generate(tiny_target_dirs, "--prompt", "hello", *flags), capsys, *needles)
+
+
+@pytest.mark.parametrize("k", ["0", str(10**12)])
+def test_export_bounds_the_chain_length_it_writes(k, eagle_ckpt, tiny_target_dirs, tmp_path, capsys, no_model_loads):
+    """``draftlab export --num-speculative-tokens`` (written into serving configs), and the recipe's eval.k
+    it defaults to, are drafts per step as draftlab decodes them: 1..64."""
+    from draftlab.cli import main
+
+    out = tmp_path / "out"
+    export = ["export", str(eagle_ckpt), "--to", "vllm", str(out), "--target", str(tiny_target_dirs["llama"])]
+    _refused(main(export + ["--num-speculative-tokens", k]), capsys, "--num-speculative-tokens must be in 1..64", k)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(eagle_ckpt, ckpt)
+    meta = json.loads((ckpt / "draftlab.json").read_text())
+    meta["recipe"] = {"eval": {"k": 10**12}}
+    (ckpt / "draftlab.json").write_text(json.dumps(meta))
+    export[1] = str(ckpt)
+    _refused(main(export), capsys, f"{ckpt}: recipe.eval.k must be in 1..64, got {10**12}")
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------- limits that need the models

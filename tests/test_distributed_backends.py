@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO-2/3 and FSDP2 for real on CPU: two gloo processes through `accelerate launch` with
-the shipped configs, sharded as configured, training the same weights as DDP, resuming exactly."""
+the shipped configs, sharded as configured, training the same weights as DDP, resuming exactly; a write that fails on one rank stops every rank at once, with one line each."""
 
 import json
 import re
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -102,3 +103,30 @@ def test_resume_refuses_an_optimizer_layout_of_another_backend(tmp_path, tiny_ta
     assert res.returncode != 0
     assert "error: " in res.stderr and "optimizer state was saved as 'torch' by 2 process(es) but this run uses 'zero-2' on 2" in res.stderr
     assert "[rank0]: Traceback" not in res.stderr and "[rank1]: Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("pattern,rank", [
+    ("*/.staging-0000002/trainer/state.json", "0"),  # the main process's checkpoint write
+    ("*/.staging-0000002/trainer/rng-rank1.json", "1"),  # another rank's own file
+    ("*/run/metrics.jsonl", "0"),  # the main process's log, between two steps' all-reduces
+])
+def test_a_write_failing_on_one_rank_stops_every_rank_with_one_line(pattern, rank, tmp_path, tiny_target_dirs, chat_file):  # noqa: F811
+    """A full disk on one of two DDP processes: both leave at once (not at the process group's timeout),
+    each with one error line, exit non-zero, and no checkpoint or staging directory is left."""
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 2})
+    port = 29610 + 2 * int(rank) + pattern.endswith("jsonl")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--main_process_port", str(port), str(REPO / "tests" / "full_disk_launch.py"), pattern, rank]
+    t0 = time.monotonic()
+    res = run_train([recipe], launcher=launcher, timeout=240)
+    assert res.returncode != 0 and time.monotonic() - t0 < 200
+    # one line per process (rank 0's progress bar may run into the other's line: they share stderr)
+    errors = re.findall(r"train/eagle\.py: error: ([^\r\n]*)", res.stderr)
+    name = pattern.rsplit("/", 1)[-1]
+    assert len(errors) == 2, res.stderr[-3000:]
+    # no process's traceback: only the launcher's own, reporting the exit codes
+    assert "[rank0]: Traceback" not in res.stderr and "[rank1]: Traceback" not in res.stderr and res.stderr.count("Traceback") <= 1
+    assert all(name in line and "No space left on device" in line for line in errors), errors
+    assert sum(f"(on process {rank}; every process stops)" in line for line in errors) == 1, errors
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or list(checkpoints.iterdir()) == []

@@ -134,6 +134,8 @@ BAD_META = {
     "kv heads": (lambda m: m["config"].update(num_key_value_heads=3), r"num_key_value_heads = 3 does not divide num_attention_heads 4"),
     "missing field": (lambda m: m["config"].pop("rms_norm_eps"), "drafter meta lacks 'config.rms_norm_eps'"),
     "unknown field": (lambda m: m.update(shape=1), "drafter.shape is not a field of draft_lm drafter meta"),
+    "nan rope theta": (lambda m: m["config"]["rope_parameters"].update(rope_theta=float("nan")),
+                       r"drafter\.config\.rope_parameters = .* has rope_theta nan, not a finite number"),
 }
 
 

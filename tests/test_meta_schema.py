@@ -106,6 +106,8 @@ def _bad_value(family, path, case, value, facts: TargetFacts):
         return bad, f"is outside {lo}..{hi}"
     if case in ("another target's", "huge"):
         want = next(m for m in markers if isinstance(m, TargetValue)).expected(facts)
+        if isinstance(want, str):  # a name (model_type): another one
+            return want + "-other", f"is not the target's {_what(markers)} {want}"
         return (want + 1 if case != "huge" else HUGE), f"is not the target's {_what(markers)} {want}"
     ascending = next(m for m in markers if isinstance(m, Distinct)).ascending
     if case == "repeated":
@@ -272,6 +274,24 @@ def test_layer_shapes_the_attention_cannot_run_are_refused(name, case, checkpoin
     _set(meta["drafter"], path, value)
     (src / ckpt.META).write_text(json.dumps(meta))
     _refused_everywhere(src, name, tiny_llama, tmp_path, as_is_import, f"{_show(path)} {says}")
+
+
+@pytest.mark.parametrize("rope,says", [
+    ({"rope_theta": float("nan")}, "has rope_theta nan, not a finite number"),
+    ({"rope_theta": -1.0}, "has rope_theta -1.0, not a positive number"),
+    ({"rope_theta": "1e4"}, 'has rope_theta "1e4", not a positive number'),
+    ({"factor": float("inf")}, "has factor inf, not a finite number"),
+])
+@pytest.mark.parametrize("name", SHAPED)
+def test_a_rope_that_makes_no_rotation_is_refused(name, rope, says, checkpoints, tiny_llama, tmp_path, as_is_import):
+    """JSON readers take NaN and Infinity: a RoPE theta or factor that is not a finite number (or a theta
+    that is not positive) would load and decode NaN."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(checkpoints(name), src)
+    meta = json.loads((src / ckpt.META).read_text())
+    meta["drafter"]["shape"]["rope"].update(rope)
+    (src / ckpt.META).write_text(json.dumps(meta))  # writes NaN / Infinity as bare words
+    _refused_everywhere(src, name, tiny_llama, tmp_path, as_is_import, "drafter.shape.rope = ", says)
 
 
 @pytest.mark.parametrize(

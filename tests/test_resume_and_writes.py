@@ -18,6 +18,8 @@ import torch
 from draftlab import atomic
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
+from draftlab.export.exporter import export_checkpoint
+from test_bad_inputs import checkpoint  # noqa: F401  (a fixture: a tiny EAGLE-3 checkpoint)
 from test_train import chat_file, run_train, write_recipe  # noqa: F401  (chat_file: a fixture)
 
 STEP = "step-0000002"
@@ -142,6 +144,16 @@ BAD_OPTIMIZERS = {
     "another parameter count": (
         lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["param_groups"][0]["params"].pop()), p),
         "does not fit this drafter"),
+    "lr a string": (lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["param_groups"][0].update(
+        lr="fast")), p), "optimizer param_groups[0].lr = 'fast' is not a finite number >= 0"),
+    "betas one number": (lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["param_groups"][0].update(
+        betas=0.9)), p), "param_groups[0].betas = 0.9 is not a list of 2 finite numbers >= 0"),
+    "eps NaN": (lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["param_groups"][0].update(
+        eps=float("nan"))), p), "param_groups[0].eps = nan is not a finite number"),
+    "fused a string": (lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["param_groups"][0].update(
+        fused="yes")), p), "param_groups[0].fused = 'yes' is not true or false"),
+    "moments NaN": (lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["optimizer"]["state"][0]["exp_avg"].fill_(
+        float("nan"))), p), "optimizer state 'exp_avg' of parameter 0 holds NaN or infinite values"),
     "scheduler step a string": (
         lambda p: torch.save(_mutate(torch.load(p, weights_only=True), lambda s: s["scheduler"].update(last_epoch="2")), p),
         "scheduler field 'last_epoch' must be an integer"),
@@ -224,7 +236,8 @@ def test_a_full_disk_during_a_checkpoint_leaves_no_half_checkpoint(file, tmp_pat
     """The step-4 checkpoint fails on a full disk: step 2 stays whole, nothing of step 4 is left."""
     recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 4})
     hit = _full_disk(monkeypatch, lambda p: p.name == file and ".staging-0000004" in str(p))
-    _one_line(*_train(recipe, capsys), file, "No space left on device")
+    # named as the checkpoint it was for, not its staging directory
+    _one_line(*_train(recipe, capsys), str(tmp_path / "run" / "checkpoints" / "step-0000004" / "trainer" / file), "No space left on device")
     assert hit
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [STEP]
@@ -252,6 +265,176 @@ def test_a_full_disk_on_the_metrics_log_keeps_whole_records(tmp_path, tiny_targe
     assert len(lines) == 1 and lines[0].endswith("\n") and json.loads(lines[0])["step"] == 1
 
 
+# ---------------------------------------------------------------------- metric loggers
+def _events(run: Path) -> list:
+    """Every event of the run's one TensorBoard event file, read by TensorBoard's own loader; the file
+    holds whole records only (their framing adds up to its size)."""
+    import struct
+
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    files = sorted((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    data, pos, records = files[0].read_bytes(), 0, 0
+    while pos < len(data):
+        pos += 8 + 4 + struct.unpack("<Q", data[pos : pos + 8])[0] + 4  # length, its crc, the record, its crc
+        records += 1
+    assert pos == len(data)
+    events = list(LegacyEventFileLoader(str(files[0])).Load())
+    assert len(events) == records
+    return events
+
+
+def test_tensorboard_events_hold_the_logged_metrics(tmp_path, tiny_target_dirs, chat_file, capsys):  # noqa: F811
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 2}, logging={"tensorboard": True})
+    rc, err = _train(recipe, capsys)
+    assert rc == 0, err[-2000:]
+    run = tmp_path / "run"
+    events = _events(run)
+    assert events[0].file_version == "brain.Event:2"
+    logged = {e.step: {v.tag: v.simple_value for v in e.summary.value} for e in events[1:]}
+    for record in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
+        assert logged[record["step"]]["loss"] == pytest.approx(record["loss"], rel=1e-6)
+        assert logged[record["step"]]["acc/0"] == pytest.approx(record["acc"][0], rel=1e-6)
+    assert _leftovers(run) == []
+
+
+def test_a_full_disk_on_the_tensorboard_log_keeps_whole_records(tmp_path, tiny_target_dirs, chat_file, capsys,  # noqa: F811
+                                                                 monkeypatch):
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 4}, logging={"tensorboard": True})
+    calls = []
+
+    def third_record(p):  # the header, step 1, then step 2 fails
+        if not p.name.startswith("events.out.tfevents."):
+            return False
+        calls.append(p)
+        return len(calls) == 3
+
+    _full_disk(monkeypatch, third_record)
+    _one_line(*_train(recipe, capsys), "tensorboard/events.out.tfevents.", "No space left on device")
+    assert [e.step for e in _events(tmp_path / "run")] == [0, 1]  # whole records only: TensorBoard reads them all
+
+
+def _fake_wandb(monkeypatch, fails: str = ""):
+    """A stand-in ``wandb`` module (the package is optional and not installed for the tests) whose
+    ``fails`` call raises as wandb does; the calls it got are recorded."""
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", step))
+            if fails == "log":
+                raise RuntimeError("wandb.errors.Error: disk quota exceeded\nmore detail")
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kw):
+        calls.append(("init", kw["mode"], kw["dir"]))
+        if fails == "init":
+            raise ValueError("cannot start the wandb service")
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    return calls
+
+
+@pytest.mark.parametrize("fails", ["", "init", "log"])
+def test_wandb_errors_are_one_line(fails, tmp_path, tiny_target_dirs, chat_file, capsys, monkeypatch):  # noqa: F811
+    calls = _fake_wandb(monkeypatch, fails)
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 2}, logging={"wandb": True})
+    rc, err = _train(recipe, capsys)
+    assert calls[0] == ("init", "offline", str(tmp_path / "run"))
+    if not fails:
+        assert rc == 0, err[-2000:]
+        assert calls[1:] == [("log", 1), ("log", 2), ("finish",)]
+    else:
+        _one_line(rc, err, f"logging.wandb: wandb.{fails} failed")
+
+
+@pytest.mark.parametrize("blocked", ["tensorboard", "wandb", "metrics.jsonl"])
+def test_an_unwritable_log_is_one_line(blocked, tmp_path, tiny_target_dirs, chat_file, capsys, monkeypatch):  # noqa: F811
+    """A log's path taken by a file (tensorboard/, wandb/) or a directory (metrics.jsonl): one line naming it,
+    and no checkpoint is written by a run that cannot log."""
+    _fake_wandb(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / blocked).mkdir() if blocked == "metrics.jsonl" else (run / blocked).write_text("")
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 2},
+                          logging={"tensorboard": True, "wandb": True})
+    _one_line(*_train(recipe, capsys), str(run / blocked))
+    assert not (run / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------- export and import
+def _cli(args: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli_main([str(a) for a in args])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine,fails", [("vllm", "model.safetensors"), ("vllm", "config.json"), ("vllm", "README.md"),
+                                          ("sglang", "model.safetensors"), ("hf", "draftlab.json")])
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(engine, fails, checkpoint, tiny_llama, tmp_path, monkeypatch,  # noqa: F811
+                                                                  capsys):
+    target = tiny_llama.identity["name"]
+    out, kept = tmp_path / "new" / "dir" / "out", tmp_path / "kept"
+    assert _cli(["export", checkpoint, "--to", engine, kept, "--target", target], capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    hit = _full_disk(monkeypatch, lambda p: p.name == fails)
+    # named as the output the user asked for, not its staging directory
+    _one_line(*_cli(["export", checkpoint, "--to", engine, out, "--target", target], capsys), str(out / fails), "No space left on device")
+    assert hit and not (tmp_path / "new").exists()  # not even the folders made for it
+    # over an earlier export (--overwrite): that one stays whole
+    _one_line(*_cli(["export", checkpoint, "--to", engine, kept, "--target", target, "--overwrite"], capsys), "No space left on device")
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fails", ["model.safetensors", "draftlab.json"])
+def test_a_full_disk_during_import_is_one_line_and_leaves_nothing(fails, checkpoint, tiny_llama, tmp_path, monkeypatch, capsys):  # noqa: F811
+    target = tiny_llama.identity["name"]
+    public = export_checkpoint(checkpoint, "vllm", tmp_path / "public", tiny_llama)
+    out = tmp_path / "new" / "imported"
+    hit = _full_disk(monkeypatch, lambda p: p.name == fails)
+    _one_line(*_cli(["import", public, "--format", "speculators", "--target", target, out], capsys), str(out / fails),
+              "No space left on device")
+    assert hit and not (tmp_path / "new").exists()
+    assert _leftovers(tmp_path) == []
+    monkeypatch.undo()
+    assert _cli(["import", public, "--format", "speculators", "--target", target, out], capsys)[0] == 0
+
+
+def _refuse_creating_files_in(monkeypatch, where: Path, code: int = errno.EACCES) -> None:
+    """Creating files or folders below ``where`` fails as the OS would refuse it (the tests run as root,
+    whom chmod does not stop)."""
+    for name in ("mkstemp", "mkdtemp"):
+        real = getattr(tempfile, name)
+
+        def refuse(*args, dir=None, _real=real, **kw):
+            if dir is not None and Path(dir).resolve().is_relative_to(where.resolve()):
+                raise OSError(code, os.strerror(code), str(dir))
+            return _real(*args, dir=dir, **kw)
+
+        monkeypatch.setattr(tempfile, name, refuse)
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])
+def test_export_and_import_into_an_unwritable_directory_are_one_line(code, checkpoint, tiny_llama, tmp_path, monkeypatch,  # noqa: F811
+                                                                     capsys):
+    target = tiny_llama.identity["name"]
+    public = export_checkpoint(checkpoint, "vllm", tmp_path / "public", tiny_llama)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _refuse_creating_files_in(monkeypatch, ro, code)
+    _one_line(*_cli(["export", checkpoint, "--to", "vllm", ro / "out", "--target", target], capsys), str(ro / "out"), os.strerror(code))
+    _one_line(*_cli(["import", public, "--format", "speculators", "--target", target, ro / "imp"], capsys), str(ro / "imp"),
+              os.strerror(code))
+    assert list(ro.iterdir()) == []
+
+
 # ---------------------------------------------------------------------- offline capture
 def test_a_full_disk_during_capture_keeps_the_finished_shards(tiny_llama, tmp_path, monkeypatch):
     from draftlab.data.offline import capture_offline
@@ -272,6 +455,19 @@ def test_a_full_disk_during_capture_keeps_the_finished_shards(tiny_llama, tmp_pa
     res = capture_offline(tiny_llama, samples, out, **kw)  # resumes: shard 0 is trusted, the rest captured
     assert res.manifest["complete"] and res.skipped_shards == 1
     assert _leftovers(out) == []
+
+
+@pytest.mark.parametrize("fails", ["shard-00000.safetensors", "shard-00001.safetensors", "manifest.json"])
+def test_the_capture_cli_says_one_line_on_a_full_disk(fails, tmp_path, tiny_target_dirs, chat_file, monkeypatch, capsys):  # noqa: F811
+    out = tmp_path / "cap"
+    hit = _full_disk(monkeypatch, lambda p: p.name == fails)
+    args = ["capture", "--target", tiny_target_dirs["llama"], "--data", chat_file, "--num-conversations", 8, "--max-length", 64,
+            "--heldout", 1, "--layers", "eagle3", "--out", out, "--shard-tokens", 150, "--no-progress"]
+    _one_line(*_cli(args, capsys), str(out / fails), "No space left on device")
+    assert hit and _leftovers(tmp_path) == []
+    monkeypatch.undo()  # what was written is whole: the capture resumes and completes
+    assert _cli(args, capsys)[0] == 0
+    assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
 def test_capture_into_an_unwritable_place_is_one_line_error(tiny_llama, tmp_path):
@@ -303,7 +499,7 @@ def test_a_full_disk_during_an_eval_report_leaves_no_partial_report(fails, tmp_p
         with pytest.raises(DraftlabError) as e:
             write_report(_report(1.7), path)
         assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
-    assert list(fresh.parent.iterdir()) == []  # no report at all, not part of one
+    assert not fresh.parent.exists()  # no report at all, not part of one, nor the folder made for it
     assert {p.name: p.read_bytes() for p in kept.parent.iterdir()} == before  # the earlier report, whole
 
 
@@ -351,6 +547,17 @@ def test_atomic_cannot_create_is_one_line(code, tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] in ([], ["x"])
 
 
+def test_atomic_directory_never_replaces_a_file(tmp_path):
+    out = tmp_path / "out"
+    out.write_text("precious")
+    with pytest.raises(DraftlabError, match="a file, not a directory"):
+        with atomic.directory(out) as tmp:
+            atomic.write_bytes(tmp / "a", b"a")
+    assert out.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(DraftlabError, match=f"{out} is a file, not a directory"):
+        atomic.write_bytes(out / "sub" / "a", b"a")
+
+
 def test_atomic_directory_removes_its_staging_on_a_full_disk(tmp_path, monkeypatch):
     out = tmp_path / "out"
     _full_disk(monkeypatch, lambda p: p.name == "b")
@@ -363,3 +570,16 @@ def test_atomic_directory_removes_its_staging_on_a_full_disk(tmp_path, monkeypat
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip("Linux file-system semantics")
+
+
+def test_published_files_and_folders_get_the_usual_modes(tmp_path):
+    """Written through a private temporary, a file or folder is published with the modes open() and
+    mkdir() would give it under the process's umask (an export must be readable by a serving user)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    atomic.write_bytes(tmp_path / "f.bin", b"x")
+    with atomic.directory(tmp_path / "out") as tmp:
+        atomic.write_text(tmp / "g.txt", "y")
+    assert (tmp_path / "f.bin").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (tmp_path / "out" / "g.txt").stat().st_mode & 0o777 == 0o666 & ~mask

@@ -19,6 +19,7 @@ drafter is a one-line DraftlabError naming it.
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import torch
@@ -72,8 +73,11 @@ class OptimizerState:
         _load_scheduler(self.scheduler, scheduler, path)
 
     def _read(self, trainer_dir: Path) -> tuple[Path, dict]:
+        """``optimizer.pt`` of the torch layouts (torch and FSDP: a torch optimizer state dict), checked."""
         path = Path(trainer_dir) / "optimizer.pt"
-        return path, read_state(path)
+        state = read_state(path)
+        _check_torch_state(state["optimizer"], self.optimizer.param_groups, path)
+        return path, state
 
 
 class Replicated(OptimizerState):
@@ -230,6 +234,50 @@ class _loading:
         if isinstance(e, (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError)):
             raise DraftlabError(f"{self.path}: optimizer state does not fit this drafter ({_first_line(e)})") from None
         return False
+
+
+def _check_torch_state(saved: dict, groups: list[dict], path: Path) -> None:
+    """What ``load_state_dict`` takes as it is and the next step trips over, or trains on without a
+    word: each param group's hyperparameters of the kind this run's optimizer (``groups``) holds,
+    numbers finite and not negative; every floating tensor of the per-parameter state finite."""
+    saved_groups = saved.get("param_groups")
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups) or not all(isinstance(g, dict) for g in saved_groups):
+        raise DraftlabError(f"{path}: optimizer state does not fit this drafter (expected {len(groups)} param group(s))")
+    for i, (group, own) in enumerate(zip(saved_groups, groups)):
+        for key, want in own.items():
+            if key != "params" and key in group and not _same_kind(group[key], want):
+                shown = repr(group[key])[:40]
+                raise DraftlabError(f"{path}: optimizer param_groups[{i}].{key} = {shown} is not {_kind(want)}")
+    state = saved.get("state")
+    for param, moments in (state.items() if isinstance(state, dict) else ()):
+        for name, v in (moments.items() if isinstance(moments, dict) else ()):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise DraftlabError(f"{path}: optimizer state '{name}' of parameter {param} holds NaN or infinite values "
+                                    "(the run diverged before this checkpoint): resume from an earlier one")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _same_kind(v, want) -> bool:
+    if want is None:  # a flag the optimizer picks itself (foreach)
+        return v is None or isinstance(v, bool)
+    if isinstance(want, bool):
+        return isinstance(v, bool)
+    if isinstance(want, (int, float)):
+        return _number(v)
+    if isinstance(want, (tuple, list)):
+        return isinstance(v, (tuple, list)) and len(v) == len(want) and all(_number(x) for x in v)
+    return True  # a kind torch added later: its own load checks it
+
+
+def _kind(want) -> str:
+    if isinstance(want, bool) or want is None:
+        return "true or false" + (" or null" if want is None else "")
+    if isinstance(want, (tuple, list)):
+        return f"a list of {len(want)} finite numbers >= 0"
+    return "a finite number >= 0"
 
 
 def _check_moments(optimizer, path: Path) -> None:

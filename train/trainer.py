@@ -29,6 +29,8 @@ from draftlab.atomic import publish, write_json
 from draftlab.data.dataset import batches_by_tokens, collate
 from draftlab.errors import DraftlabError
 from draftlab.train import backends, hooks, optimizer_state, rng
+from draftlab.train.metrics_log import MetricLogger
+from draftlab.train.rank_failures import RankFailures
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -39,55 +41,6 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
-
-
-class MetricLogger:
-    """JSONL always (main process); TensorBoard and wandb (offline by default) when chosen."""
-
-    def __init__(self, run_dir: Path, recipe, enabled: bool):
-        self.enabled = enabled
-        self.tb = self.wandb = None
-        if not enabled:
-            return
-        self.path = run_dir / "metrics.jsonl"
-        spec = recipe.logging
-        if spec.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise DraftlabError("logging.tensorboard needs the tensorboard package (pip install tensorboard)") from e
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        if spec.wandb:
-            try:
-                import wandb
-            except ImportError as e:
-                raise DraftlabError("logging.wandb needs the wandb package (pip install wandb)") from e
-            self.wandb = wandb.init(
-                project=spec.wandb_project, mode=spec.wandb_mode, dir=str(run_dir), config=recipe.model_dump(mode="json")
-            )
-
-    def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        atomic.append_text(self.path, json.dumps(record) + "\n")
-        flat = {}
-        for k, v in record.items():
-            if isinstance(v, list):
-                flat.update({f"{k}/{i}": x for i, x in enumerate(v) if isinstance(x, (int, float))})
-            elif isinstance(v, (int, float)) and k != "step":
-                flat[k] = v
-        if self.tb:
-            for k, v in flat.items():
-                self.tb.add_scalar(k, v, record["step"])
-            self.tb.flush()
-        if self.wandb:
-            self.wandb.log(flat, step=record["step"])
-
-    def close(self) -> None:
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
 
 
 class Trainer:
@@ -146,39 +99,48 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, metrics: dict) -> Path:
         """All ranks call this; rank files first, then the main process publishes atomically. A write
-        that fails (full disk, unwritable directory) removes the staging directory and is a one-line
-        DraftlabError: the checkpoints already published stay as they were."""
+        that fails (full disk, unwritable directory), on any rank, removes the staging directory and is
+        a one-line DraftlabError on every rank (none is left waiting for the others): the checkpoints
+        already published stay as they were."""
         final = ckpt.step_dir(self.run_dir, self.step)
         staging = self.run_dir / "checkpoints" / f".staging-{self.step:07d}"
         trainer_dir = staging / "trainer"
         main = self.accelerator.is_main_process
+        failures = RankFailures(self.accelerator)
         try:
-            if main:
-                shutil.rmtree(staging, ignore_errors=True)
-                atomic.make_dir(trainer_dir)
-            self.accelerator.wait_for_everyone()
-            write_json(trainer_dir / f"rng-rank{self.rank}.json", rng.get_state())
-            # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights); the main process writes.
+            with failures.caught():
+                if main:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    atomic.make_dir(trainer_dir)
+            failures.raise_if_any()
+            with failures.caught():
+                write_json(trainer_dir / f"rng-rank{self.rank}.json", rng.get_state())
+            # Every rank joins the gathers (FSDP / ZeRO-3 shard the weights), whatever failed before;
+            # the main process writes.
             weights = self.accelerator.get_state_dict(self.model)
-            self.opt_state.save(trainer_dir)
-            self.accelerator.wait_for_everyone()
-            if main:
-                drafter = self.accelerator.unwrap_model(self.model)
-                meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
-                ckpt.save_weights(staging, weights, meta)
-                write_json(
-                    trainer_dir / STATE,
-                    {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
-                     "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
-                )
-                publish(staging, final)
+            with failures.caught():
+                self.opt_state.save(trainer_dir)
+            failures.raise_if_any()
+            with failures.caught():
+                if main:
+                    drafter = self.accelerator.unwrap_model(self.model)
+                    meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
+                    ckpt.save_weights(staging, weights, meta)
+                    write_json(
+                        trainer_dir / STATE,
+                        {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
+                         "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
+                    )
+                    publish(staging, final)
+            failures.raise_if_any()
         except BaseException as e:
             if main:
                 shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(e, OSError) or _is_safetensors_error(e):  # save_file reports a full disk as its own error
+            if isinstance(e, OSError):  # a write outside draftlab.atomic (which says one line itself)
                 raise DraftlabError(f"{final}: cannot write the checkpoint ({atomic.reason(e)})") from None
+            if isinstance(e, DraftlabError):
+                raise atomic.naming(e, staging, final) from None
             raise
-        self.accelerator.wait_for_everyone()
         return final
 
     def clean_leftovers(self) -> None:
@@ -228,77 +190,93 @@ class Trainer:
         if tau is None or (self.best_tau is not None and tau <= self.best_tau):
             return
         with atomic.directory(self.run_dir / "checkpoints" / "best") as tmp:
-            shutil.copytree(path, tmp, dirs_exist_ok=True)
+            for f in sorted(path.rglob("*")):
+                if f.is_file():
+                    atomic.copy_file(f, tmp / f.relative_to(path))
         self.best_tau = tau
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
         t = self.recipe.train
         atomic.writable_dir(self.run_dir, "output_dir")
-        self.resume()
+        # each rank reads its own RNG file; the main process alone creates the loggers' files
+        failures = RankFailures(self.accelerator)
+        with failures.caught():
+            self.resume()
+        failures.raise_if_any()
         self.clean_leftovers()
         main = self.accelerator.is_main_process
         if main:
             owned = backends.owned_weight_fraction(self.model)
             print(f"distributed: {backends.describe(self.accelerator)}, world size {self.world}, "
                   f"rank 0 owns {owned:.0%} of the drafter weights", flush=True)
-        logger = MetricLogger(self.run_dir, self.recipe, main)
+        logger = None
+        with failures.caught():
+            logger = MetricLogger(self.run_dir, self.recipe, main)
+        failures.raise_if_any()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.recipe.algorithm}", dynamic_ncols=True)
         stream = self.micro_batches(self.step)
         last_metrics: dict = {}
         started = time.perf_counter() - self.elapsed
         out_of_time = False
         self.model.train()
-        while self.step < self.total_steps and not out_of_time:
-            t0 = time.perf_counter()
-            tokens = 0
-            agg: dict = {}
-            for _ in range(t.grad_accum):
-                epoch, indices = next(stream)
-                batch = collate([self.samples[i] for i in indices], self.pad_id)
-                batch = {k: v.to(self.target.device) for k, v in batch.items()}
-                hidden, batch = self.feature_source.features(indices, batch)
-                # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
-                with self.accelerator.accumulate(self.model):
-                    loss, metrics = self.model(batch, hidden, self.loss_cfg)
-                    self.accelerator.backward(loss)
-                tokens += int(batch["attention_mask"].sum())
-                _accumulate(agg, {"loss": loss.item(), **metrics}, t.grad_accum)
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
-            self.opt.step()
-            self.sched.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.step += 1
-            dt = time.perf_counter() - t0
-            self.elapsed = time.perf_counter() - started
-            if self.world > 1:  # log the loss of the global batch, not rank 0's share
-                agg["loss"] = self.accelerator.reduce(torch.tensor(agg["loss"], device=self.accelerator.device), "mean").item()
-                tokens = int(self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), "sum").item())
-            tok_s = tokens / dt
-            last_metrics = {
-                "step": self.step,
-                "epoch": epoch,
-                **agg,
-                "lr": self.sched.get_last_lr()[0],
-                "grad_norm": float(grad_norm),
-                "tokens": tokens,
-                "tokens_per_s": tok_s,
-                "elapsed_s": self.elapsed,
-            }
-            if self.step % t.log_every == 0 or self.step == self.total_steps:
-                logger.log(last_metrics)
-            acc = agg.get("acc", [])
-            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
-            bar.update(1)
-            # out of time on the last step is no stop: the run is complete
-            out_of_time = self.step < self.total_steps and bool(t.time_limit_minutes) and self.elapsed >= t.time_limit_minutes * 60
-            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
-                self.checkpoint_and_eval(last_metrics, logger)
-        bar.close()
+        try:  # the bar ends its line whatever happens: an error then starts a line of its own
+            while self.step < self.total_steps and not out_of_time:
+                t0 = time.perf_counter()
+                tokens = 0
+                agg: dict = {}
+                for _ in range(t.grad_accum):
+                    epoch, indices = next(stream)
+                    batch = collate([self.samples[i] for i in indices], self.pad_id)
+                    batch = {k: v.to(self.target.device) for k, v in batch.items()}
+                    hidden, batch = self.feature_source.features(indices, batch)
+                    # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
+                    with self.accelerator.accumulate(self.model):
+                        loss, metrics = self.model(batch, hidden, self.loss_cfg)
+                        self.accelerator.backward(loss)
+                    tokens += int(batch["attention_mask"].sum())
+                    _accumulate(agg, {"loss": loss.item(), **metrics}, t.grad_accum)
+                grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.step += 1
+                dt = time.perf_counter() - t0
+                self.elapsed = time.perf_counter() - started
+                if self.world > 1:  # log the loss of the global batch, not rank 0's share
+                    agg["loss"] = self.accelerator.reduce(torch.tensor(agg["loss"], device=self.accelerator.device), "mean").item()
+                    tokens = int(self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), "sum").item())
+                tok_s = tokens / dt
+                last_metrics = {
+                    "step": self.step,
+                    "epoch": epoch,
+                    **agg,
+                    "lr": self.sched.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens": tokens,
+                    "tokens_per_s": tok_s,
+                    "elapsed_s": self.elapsed,
+                }
+                if self.step % t.log_every == 0 or self.step == self.total_steps:
+                    with failures.caught():
+                        logger.log(last_metrics)
+                    failures.raise_if_any()
+                acc = agg.get("acc", [])
+                bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
+                bar.update(1)
+                # out of time on the last step is no stop: the run is complete
+                out_of_time = self.step < self.total_steps and bool(t.time_limit_minutes) and self.elapsed >= t.time_limit_minutes * 60
+                if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
+                    self.checkpoint_and_eval(last_metrics, logger)
+        finally:
+            bar.close()
         if self.world > 1 and self.opt_state.replicated:  # FSDP / ZeRO-3 keep only a shard of each weight per rank
             last_metrics["weights_in_sync"] = self.check_weights_in_sync()
-            logger.log({"step": self.step, "weights_in_sync": last_metrics["weights_in_sync"]})
-        logger.close()
+        with failures.caught():
+            if "weights_in_sync" in last_metrics:
+                logger.log({"step": self.step, "weights_in_sync": last_metrics["weights_in_sync"]})
+            logger.close()
+        failures.raise_if_any()
         if main and out_of_time:
             print(f"stopped at step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min (train.time_limit_minutes); "
                   "relaunch the same command to continue", flush=True)
@@ -320,19 +298,20 @@ class Trainer:
         for hook in hooks.after_checkpoint:
             hook(self, path)
         if self.evaluate is not None and self.recipe.eval.enabled:
-            report = None
-            if self.accelerator.is_main_process:
-                self.model.eval()
-                report = self.evaluate(path)
-                self.model.train()
-                if report:
-                    logger.log({"step": self.step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup")})
-                    # the checkpoint's JSON carries the measured acceptance (model cards read it), best's copy too
-                    meta = ckpt.read_meta(path)
-                    meta["metrics"]["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
-                    write_json(path / ckpt.META, meta)
-                    self.mark_best(path, report["tau"])
-            self.accelerator.wait_for_everyone()
+            failures = RankFailures(self.accelerator)
+            with failures.caught():
+                if self.accelerator.is_main_process:
+                    self.model.eval()
+                    report = self.evaluate(path)
+                    self.model.train()
+                    if report:
+                        logger.log({"step": self.step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup")})
+                        # the checkpoint's JSON carries the measured acceptance (model cards read it), best's copy too
+                        meta = ckpt.read_meta(path)
+                        meta["metrics"]["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
+                        write_json(path / ckpt.META, meta)
+                        self.mark_best(path, report["tau"])
+            failures.raise_if_any()  # also the barrier: the other ranks wait for the evaluation
         self.prune()
 
 
@@ -374,14 +353,6 @@ def _dir_step(path: Path) -> int | None:
         return int(path.name.split("-")[-1])
     except ValueError:
         return None
-
-
-def _is_safetensors_error(e: BaseException) -> bool:
-    try:
-        from safetensors import SafetensorError
-    except ImportError:
-        return False
-    return isinstance(e, SafetensorError)
 
 
 def _accumulate(agg: dict, metrics: dict, n: int) -> None:
