@@ -115,41 +115,41 @@ def _fill(fd: int, data, path: Path, durable: bool) -> None:
         os.close(fd)
 
 
-def write_file(path, write: Callable[[str], None], durable: bool = False) -> Path:
-    """``write(tmp_path)`` fills a temporary sibling of ``path``, which then replaces ``path``.
-    ``durable`` fsyncs it first (shards a resumed capture trusts by checksum). Prefer
-    :func:`write_bytes`: only it goes through the one low-level write."""
-    path = Path(path)
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[tuple[int, str]]:
+    """A temporary sibling of ``path`` (open fd, name) to fill, which then replaces ``path``; on
+    any error it is removed, with any folder made for it, and an OSError is one line."""
     with _no_new_dirs_on_failure(path):
         fd, tmp = _temp(path)
-        os.close(fd)
         try:
-            write(tmp)
-            if durable:
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
+            yield fd, tmp
             os.replace(tmp, path)
         except BaseException as e:
             _remove(tmp)
             if isinstance(e, OSError):
                 raise error(path, e) from None
             raise
+
+
+def write_file(path, write: Callable[[str], None], durable: bool = False) -> Path:
+    """``write(tmp_path)`` fills a temporary sibling of ``path``, which then replaces ``path``.
+    ``durable`` fsyncs it first (shards a resumed capture trusts by checksum). Prefer
+    :func:`write_bytes`: only it goes through the one low-level write."""
+    path = Path(path)
+    with _replacing(path) as (fd, tmp):
+        os.close(fd)
+        write(tmp)
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
     return path
 
 
 def write_bytes(path, data, durable: bool = False) -> Path:
     """``data`` (bytes or any buffer) into ``path``, atomically."""
     path = Path(path)
-    with _no_new_dirs_on_failure(path):
-        fd, tmp = _temp(path)
-        try:
-            _fill(fd, data, path, durable)
-            os.replace(tmp, path)
-        except BaseException as e:
-            _remove(tmp)
-            if isinstance(e, OSError):
-                raise error(path, e) from None
-            raise
+    with _replacing(path) as (fd, tmp):
+        _fill(fd, data, path, durable)
     return path
 
 

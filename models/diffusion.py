@@ -109,6 +109,7 @@ class DiffusionDrafter(Drafter):
     Config = DiffusionConfig
     Loss = DiffusionLoss
     Meta = DiffusionMeta
+    shares_embedding = True
     vocab_maps = ("d2t", "t2d")
     derived_keys = ("rotary.",)  # RoPE tables are rebuilt from the layer shape
 
@@ -134,12 +135,6 @@ class DiffusionDrafter(Drafter):
         self.num_target_layers = None  # set by build/from_meta: hidden[L] gives the training targets
 
     # ---- construction -------------------------------------------------------------
-    def attach(self, target) -> "DiffusionDrafter":
-        """Share the target's frozen embedding and lm_head by reference (neither trained,
-        wrapped by DDP/FSDP nor checkpointed)."""
-        object.__setattr__(self, "_embed", target.embed_tokens)
-        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
-        return self.to(device=target.device)
 
     @staticmethod
     def default_target_layers(num_target_layers: int, num_layers: int) -> list[int]:

@@ -34,6 +34,7 @@ from draftlab.models.drafter import (
     Drafter,
     DrafterMeta,
     HeadCount,
+    LayerRules,
     LayerWidth,
     PositionCount,
     PositiveFloat,
@@ -82,7 +83,7 @@ class DraftLMConfig(BaseModel):
 DraftDepth = Count(1, MAX_DRAFT_LAYERS, "layers a draft model may have")
 
 
-class HFConfigMeta(DrafterMeta):
+class HFConfigMeta(DrafterMeta, LayerRules):
     """The HF config fields that make a draft model of the target's family (others, such as
     token ids, come from the target's config)."""
 
@@ -102,32 +103,10 @@ class HFConfigMeta(DrafterMeta):
     attention_bias: StrictBool | None = None  # families with the option (Llama, Qwen3); Qwen2 always has q/k/v biases
     mlp_bias: StrictBool | None = None  # Llama
 
-    @field_validator("hidden_act")
-    @classmethod
-    def _silu(cls, v):
-        if v != "silu":
-            raise PydanticCustomError("meta_choice", "is not silu (the only activation draftlab's decoding runs)", {})
-        return v
-
     @field_validator("rope_parameters")
     @classmethod
     def _rope(cls, v):
         return check_rope(v)
-
-    @field_validator("num_key_value_heads")
-    @classmethod
-    def _groups(cls, v, info: ValidationInfo):
-        heads = info.data.get("num_attention_heads")
-        if heads is not None and heads % v:
-            raise PydanticCustomError("meta_range", "does not divide num_attention_heads {heads}", {"heads": heads})
-        return v
-
-    @field_validator("head_dim")
-    @classmethod
-    def _even(cls, v):
-        if v % 2:
-            raise PydanticCustomError("meta_range", "is odd (RoPE rotates pairs of channels)", {})
-        return v
 
 
 TargetLayer = Count(0, lambda t: t.num_layers - 1, "the target's decoder layers")
@@ -235,12 +214,6 @@ class DraftLM(Drafter):
     @property
     def tied(self) -> bool:
         return self.lm.lm_head.weight is self.lm.model.embed_tokens.weight
-
-    def attach(self, target) -> "DraftLM":
-        """Share the target's frozen lm_head by reference (not a registered submodule: neither
-        trained, wrapped by DDP/FSDP nor checkpointed): it gives the training targets."""
-        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
-        return self.to(device=target.device)
 
     # ---- construction -------------------------------------------------------------
     @classmethod

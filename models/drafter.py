@@ -169,7 +169,34 @@ class DrafterMeta(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ShapeMeta(LayerShape):
+class LayerRules(BaseModel):
+    """What a decoder layer's metadata must hold for draftlab's layers to run it, shared by the
+    schemas that describe one (:class:`ShapeMeta`, a draft LM's HF config)."""
+
+    @field_validator("hidden_act", check_fields=False)
+    @classmethod
+    def _silu(cls, v):
+        if v != "silu":
+            raise PydanticCustomError("meta_choice", "is not silu (the only activation of draftlab's layers)", {})
+        return v
+
+    @field_validator("num_key_value_heads", check_fields=False)
+    @classmethod
+    def _groups(cls, v, info: ValidationInfo):
+        heads = info.data.get("num_attention_heads")
+        if heads is not None and heads % v:
+            raise PydanticCustomError("meta_range", "does not divide num_attention_heads {heads}", {"heads": heads})
+        return v
+
+    @field_validator("head_dim", check_fields=False)
+    @classmethod
+    def _even(cls, v):
+        if v % 2:
+            raise PydanticCustomError("meta_range", "is odd (RoPE rotates pairs of channels)", {})
+        return v
+
+
+class ShapeMeta(LayerShape, LayerRules):
     """A drafter's decoder-layer shape (``models.layers.LayerShape``) as metadata: strict, the
     target's hidden size, widths bounded by it, a head layout the attention can run."""
 
@@ -195,28 +222,6 @@ class ShapeMeta(LayerShape):
 
         if v not in SUPPORTED_MODEL_TYPES:
             raise PydanticCustomError("meta_choice", "is not a supported layer family ({families})", {"families": ", ".join(SUPPORTED_MODEL_TYPES)})
-        return v
-
-    @field_validator("hidden_act")
-    @classmethod
-    def _silu(cls, v):
-        if v != "silu":
-            raise PydanticCustomError("meta_choice", "is not silu (the only activation of draftlab's layers)", {})
-        return v
-
-    @field_validator("num_key_value_heads")
-    @classmethod
-    def _groups(cls, v, info: ValidationInfo):
-        heads = info.data.get("num_attention_heads")
-        if heads is not None and heads % v:
-            raise PydanticCustomError("meta_range", "does not divide num_attention_heads {heads}", {"heads": heads})
-        return v
-
-    @field_validator("head_dim")
-    @classmethod
-    def _even(cls, v):
-        if v % 2:
-            raise PydanticCustomError("meta_range", "is odd (RoPE rotates pairs of channels)", {})
         return v
 
     @field_validator("rope")
@@ -336,6 +341,18 @@ class Drafter(nn.Module):
     # State-dict key prefixes the checkpoint may lack because construction derives them
     # (RoPE tables, say); any other missing key is an error.
     derived_keys: ClassVar[tuple[str, ...]] = ()
+
+    # whether the family reads the target's frozen embedding besides its lm_head (:meth:`attach`)
+    shares_embedding: ClassVar[bool] = False
+
+    def attach(self, target) -> "Drafter":
+        """Share the target's frozen lm_head (and embedding, if ``shares_embedding``) by reference,
+        not as registered submodules, so they are neither trained, wrapped by DDP/FSDP nor
+        checkpointed; move to the target's device."""
+        if self.shares_embedding:
+            object.__setattr__(self, "_embed", target.embed_tokens)
+        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
+        return self.to(device=target.device)
 
     # ---- metadata ------------------------------------------------------------------------
     @classmethod

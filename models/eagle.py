@@ -46,6 +46,7 @@ class EagleBase(Drafter):
     """What EAGLE-1 and EAGLE-3 share: layer stack, RoPE, cached inference step, target refs."""
 
     derived_keys = ("rotary.",)  # RoPE tables are rebuilt from the layer shape
+    shares_embedding = True
 
     def __init__(self, shape: LayerShape, vocab_size: int, num_layers: int, first_layer: DecoderLayer):
         super().__init__()
@@ -53,14 +54,6 @@ class EagleBase(Drafter):
         self.vocab_size = vocab_size
         self.layers = nn.ModuleList([first_layer] + [DecoderLayer(shape) for _ in range(num_layers - 1)])
         self.rotary = Rotary(shape)
-
-    def attach(self, target) -> "EagleBase":
-        """Share the target's frozen embedding (and lm_head) by reference — not registered as
-        submodules, so they are neither trained, wrapped by DDP/FSDP, nor checkpointed."""
-        object.__setattr__(self, "_embed", target.embed_tokens)
-        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
-        self.to(device=target.device)
-        return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._embed(ids)

@@ -113,12 +113,6 @@ class MedusaDrafter(Drafter):
         return len(self.blocks[0].layers)
 
     # ---- construction -------------------------------------------------------
-    def attach(self, target) -> "MedusaDrafter":
-        """Share the target's frozen lm_head by reference (not a registered submodule: neither
-        trained, wrapped by DDP/FSDP nor checkpointed); it gives the training targets."""
-        object.__setattr__(self, "_target_lm_head", target.shared_lm_head)
-        return self.to(device=target.device)
-
     @classmethod
     def default_capture_layers(cls, num_target_layers: int) -> list[int]:
         return [num_target_layers]
