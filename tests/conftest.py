@@ -23,3 +23,13 @@ def tiny_llama(tiny_target_dirs):
     from draftlab.models.target import Target
 
     return Target.load(str(tiny_target_dirs["llama"]))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded; on a loaded 2-core machine two threads spinning
+    on microsecond-sized ops are 10-30x slower (modules opt in with ``pytestmark``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

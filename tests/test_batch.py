@@ -31,12 +31,7 @@ TEXTS = ["The quick brown fox jumps", "Speculative decoding drafts tokens and th
 N_NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -29,14 +29,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding draf
 REF_LEN = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest single-threaded; on a loaded 2-core machine, two threads
-    spinning on microsecond-sized ops are 10-30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompt_ids(target, text=PROMPT):

@@ -31,12 +31,7 @@ STATIC = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1,
 SHAPES = {"chain1": Chain(1), "chain3": Chain(3), "tree": DynamicTree(depth=4, top_k=3, total_tokens=10), "static": STATIC}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _drafter(target, layers: int, noise: float = 0.0):

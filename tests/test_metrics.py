@@ -7,18 +7,12 @@ import json
 import math
 
 import pytest
-import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats, acceptance_stats
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and far faster on a loaded box
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------- metrics

@@ -22,12 +22,7 @@ TEXTS = ["The quick brown fox jumps", "def add(a, b):\n    return a + b\n\nprint
 N_NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
