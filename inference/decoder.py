@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -30,7 +31,7 @@ from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache, prefill
 from draftlab.inference.proposer import (
-    Block, Chain, ChainDraft, DraftTree, Proposer, RowProposers, Sampling, Shape, check_decoding, check_shape,
+    Block, Branch, Chain, ChainDraft, DraftTree, Proposer, RowProposers, Sampling, Shape, check_decoding, check_shape,
 )
 from draftlab.inference.tree import ancestor_mask, validate_tree
 from draftlab.kernels import accept_chains, accept_trees
@@ -111,7 +112,10 @@ class Decoder:
             if step_shape is not None:
                 # draft: the proposer reads what was kept since its last draft, then proposes
                 run.draft(self._catch_up, proposers, batch)
+                past = list(cache.lengths)
                 drafts = run.draft(proposers.propose, step_shape)
+                if cache.lengths != past:
+                    cache.crop(past)  # a proposer that drafted with the target (TargetSteps) wrote there
             # verify: one target forward; accept each row's prefix; roll the cache back to it
             if drafts is None:
                 v = self._plain_step(batch, cache, run.sampling, run.verify)
@@ -119,6 +123,8 @@ class Decoder:
                 v = self._chain_step(batch, drafts, step_shape, cache, run.sampling, run.verify)
             else:
                 v = self._tree_step(batch, drafts, step_shape, cache, run.sampling, run.verify)
+            if v.handoff is not None:
+                run.draft(v.handoff)
             if drafts is not None and draft_length is not None:
                 draft_length.observe(v.drafted, v.accepted)
             run.draft_lengths.append(step_shape.max_depth if step_shape is not None else 0)
@@ -178,12 +184,22 @@ class Decoder:
         for b, (s, t) in enumerate(zip(batch.slots, ids)):
             inputs[s, 0] = batch.last[batch.rows[b]]
             inputs[s, 1 : 1 + t.numel()] = t
+        N = inputs.shape[1]
+        positions = mask = None
+        branches = [d.branch for d in drafts]
+        if any(branches):
+            positions = torch.arange(N, device=device).repeat(cache.batch_size, 1)
+            mask = torch.ones(N, N, dtype=torch.bool).tril().repeat(cache.batch_size, 1, 1)
+            inputs, positions, mask = self._add_branches(batch, branches, inputs, positions, mask)
+            mask = mask.to(device)
         past = list(cache.lengths)
-        out = verify(self.target, inputs, layers=self.layers, cache=cache, logits="all")
-        tokens, accepted = verify(accept_chains, ids, out.logits[batch.slots], sampling, probs, self.backend)
+        out = verify(self.target, inputs, layers=self.layers, cache=cache, position_ids=positions, attn_mask=mask, logits="all")
+        handoff = _branch_handoff(batch, branches, out.logits, N)
+        tokens, accepted = verify(accept_chains, ids, out.logits[batch.slots, :N], sampling, probs, self.backend)
         batch.keep(cache, past, [n + 1 for n in accepted])
         drafted = [t.numel() for t in ids]
-        return _Verified(tokens, accepted, drafted, drafted, out.hidden, list(batch.slots), [slice(0, n + 1) for n in accepted])
+        return _Verified(tokens, accepted, drafted, drafted, out.hidden, list(batch.slots), [slice(0, n + 1) for n in accepted],
+                         handoff)
 
     def _tree_step(self, batch: _Batch, trees: list[DraftTree], shape, cache, sampling: Sampling, verify) -> _Verified:
         """The forward over ``[last, tree nodes...]`` per row, each node attending to its
@@ -200,16 +216,103 @@ class Decoder:
             tokens[s, 0] = batch.last[batch.rows[b]]
             tokens[s, 1:n], parents[s, 1:n], depth[s, 1:n] = t.tokens, t.parents, t.depth
             mask[s, :n, :n] = ancestor_mask(parents[s, :n].cpu())
+        branches = [t.branch for t in trees]
+        inputs, positions = tokens, depth
+        if any(branches):
+            inputs, positions, mask = self._add_branches(batch, branches, tokens, depth, mask)
         past = list(cache.lengths)
-        out = verify(self.target, tokens, layers=self.layers, cache=cache,
-                     position_ids=depth, attn_mask=mask.to(device), logits="all")
+        out = verify(self.target, inputs, layers=self.layers, cache=cache,
+                     position_ids=positions, attn_mask=mask.to(device), logits="all")
+        handoff = _branch_handoff(batch, branches, out.logits, N)
         slots = batch.slots
-        path, emitted, accepted = verify(accept_trees, tokens[slots], parents[slots], out.logits[slots], sampling, self.backend)
+        path, emitted, accepted = verify(accept_trees, tokens[slots], parents[slots], out.logits[slots, :N], sampling, self.backend)
         paths = [path[b, : n + 1] for b, n in enumerate(accepted)]
         batch.keep(cache, past, [0] * len(slots))  # idle rows to 0; active rows to their past, then their path
         cache.keep([past[s] for s in slots], [past[s] + x for s, x in zip(slots, paths)], slots)
         return _Verified(emitted, accepted, [t.tokens.numel() for t in checked], depth[slots].max(1).values.tolist(),
-                         out.hidden, list(slots), paths)
+                         out.hidden, list(slots), paths, handoff)
+
+    def _add_branches(self, batch: _Batch, branches, inputs, positions, mask):
+        """Append each row's :class:`Branch` after its ``N`` draft inputs (padded to the longest
+        branch): ``inputs`` and ``positions`` [rows, N] become [rows, N + E], the CPU ``mask``
+        [rows, N, N] becomes [rows, N + E, N + E]. A branch input sees the last token (column 0)
+        and what its own mask allows; draft inputs never see the branch; padding sees itself."""
+        device = inputs.device
+        limit = self.proposer.branch_inputs
+        for b in branches:
+            if b is not None:
+                checked_branch(b, limit, self.target.vocab_size, self.proposer.name)
+        B, N = inputs.shape
+        E = max(b.tokens.numel() for b in branches if b is not None)
+        inputs = torch.cat([inputs, inputs.new_zeros(B, E)], 1)
+        positions = torch.cat([positions, positions.new_ones(B, E)], 1)
+        grown = torch.eye(N + E, dtype=torch.bool).repeat(B, 1, 1)
+        grown[:, :N, :N] = mask
+        for s, b in zip(batch.slots, branches):
+            if b is None:
+                continue
+            e = b.tokens.numel()
+            inputs[s, N : N + e] = b.tokens.to(device)
+            positions[s, N : N + e] = b.positions.to(device)
+            grown[s, N : N + e, 0] = True
+            grown[s, N : N + e, N : N + e] = b.mask.cpu()
+        return inputs, positions, grown
+
+
+def _branch_handoff(batch: _Batch, branches, logits: torch.Tensor, N: int):
+    """What hands each branch the target's logits after its inputs (columns ``N..`` of its
+    row), run as draft time once the step is verified; None without branches."""
+    todo = [(b, logits[s, N : N + b.tokens.numel()]) for s, b in zip(batch.slots, branches) if b is not None]
+    if not todo:
+        return None
+    return lambda: [b.on_logits(x) for b, x in todo]
+
+
+class TargetSteps:
+    """The target and its KV cache between two steps, for a proposer that drafts with the target
+    itself (:meth:`Proposer.use_target`): :meth:`forward` runs the target over one row of inputs
+    per sequence still decoding, written after each row's kept tokens and what earlier forwards of
+    the same draft wrote. The decoder rolls the cache back once ``propose`` returns, so what a
+    draft wrote is overwritten by the verify forward. Rows are the sequences still decoding, in
+    the order the proposer's rows are (finished ones leave), so such a proposer drafts every row
+    at once (its own :class:`RowProposers`); a batch of one is one row."""
+
+    def __init__(self, target, cache, batch: _Batch):
+        self.target, self._cache, self._batch = target, cache, batch
+
+    @property
+    def rows(self) -> int:
+        return len(self._batch.slots)
+
+    def lengths(self) -> list[int]:
+        """Each row's tokens in the cache (kept and drafted so far): its next input's position."""
+        return [self._cache.lengths[s] for s in self._batch.slots]
+
+    def forward(self, input_ids: torch.Tensor, *, skip=(), position_ids: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, logits: str | None = "all"):
+        """The target over ``input_ids`` [rows, T] (``skip``, ``position_ids`` offsets [rows, T]
+        and ``attn_mask`` [rows, T, T] among the new inputs, or over each row's past and new slots,
+        as :meth:`Target.forward` takes them with a ragged cache); a TargetOutput of the rows."""
+        slots, B = self._batch.slots, self._cache.batch_size
+        R, T = input_ids.shape
+        if R != len(slots):
+            raise ValueError(f"TargetSteps.forward: {R} rows of inputs for {len(slots)} sequences decoding")
+        device = self.target.device
+        ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        ids[slots] = input_ids.to(device)
+        if position_ids is not None:
+            full = torch.arange(T, device=device).repeat(B, 1)
+            full[slots] = position_ids.to(device)
+            position_ids = full
+        if attn_mask is not None:
+            full = torch.zeros(B, T, attn_mask.shape[-1], dtype=torch.bool, device=device)
+            full[:, :, :T] = torch.eye(T, dtype=torch.bool, device=device)  # idle rows see themselves
+            full[slots] = attn_mask.to(device).expand(R, T, -1)
+            attn_mask = full
+        out = self.target.forward(ids, cache=self._cache, position_ids=position_ids, attn_mask=attn_mask,
+                                  logits=logits, skip=skip)
+        out.logits = out.logits[slots] if out.logits is not None else None
+        return out
 
 
 # ---------------------------------------------------------------------- one decoding's state
@@ -228,7 +331,9 @@ class _Run:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self.sampling = Sampling(temperature, top_k, top_p, gen)
-        room = max(p.numel() for p in prompts) + max_new_tokens + (shape.max_nodes if shape is not None else 0) + 1
+        room = max(p.numel() for p in prompts) + max_new_tokens + 1
+        if shape is not None:
+            room += shape.max_nodes + dec.proposer.branch_inputs
         self.cache = target.new_cache(len(prompts), room, ragged=True)
         slots = _cache_slots(prompts)
         logits, hidden = prefill(target, prompts, slots, dec.layers, self.cache, self.verify, prompt_cache)
@@ -242,6 +347,7 @@ class _Run:
             # a batch of one drafts with the proposer itself (its state stays readable after decoding)
             self.proposers = RowProposers([dec.proposer]) if len(prompts) == 1 else dec.proposer.batched(len(going), shape)
             self.proposers.configure(self.sampling)
+            self.proposers.use_target(TargetSteps(target, self.cache, self.batch))
             for b, r in enumerate(going):
                 self.proposers.start(b, prompts[r], hidden[r], first[r])
         self.t1 = self.clock()  # the drafter's pass over the prompts belongs to the prefill, as in a serving engine
@@ -273,6 +379,7 @@ class _Verified:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     slots: list[int] = field(default_factory=list)
     kept: list = field(default_factory=list)  # slices or index tensors
+    handoff: Callable[[], object] | None = None  # hands the drafts' branches their logits
 
     @classmethod
     def first(cls, tokens: list[int]) -> "_Verified":
@@ -410,6 +517,17 @@ def checked_tree(tree: DraftTree, shape: Shape, target, name: str) -> DraftTree:
     if nd and int(tree.depth.max()) > shape.max_depth:
         raise ValueError(f"proposer '{name}' drafted a tree deeper than the {shape.kind} allows ({shape.max_depth})")
     return tree
+
+
+def checked_branch(branch: Branch, limit: int, vocab: int, name: str) -> None:
+    """A proposer's :class:`Branch` within its declared size and the vocabulary."""
+    e = branch.tokens.numel()
+    if e > limit:
+        raise ValueError(f"proposer '{name}' sent a branch of {e} inputs, more than the {limit} it declares")
+    if branch.tokens.shape != (e,) or branch.positions.shape != (e,) or branch.mask.shape != (e, e):
+        raise ValueError(f"proposer '{name}': a branch needs tokens and positions [E] and a mask [E, E], E = {e}")
+    if e and (int(branch.tokens.min()) < 0 or int(branch.tokens.max()) >= vocab or int(branch.positions.min()) < 1):
+        raise ValueError(f"proposer '{name}': branch tokens must be in the vocabulary and positions >= 1")
 
 
 def _cache_slots(prompts) -> list[int]:

@@ -22,6 +22,8 @@ position among the sequences still decoding:
 0. ``configure(sampling)`` before each generation: the decoding parameters (temperature,
    top-k, top-p and the seeded generator). A proposer that returns draft probabilities uses
    ``sampling.probs(logits)`` for them and ``sampling.sample(probs)`` to draw its tokens.
+   ``use_target(steps)`` too: what a proposer that drafts with the target itself (layer
+   skipping) runs it with; the others ignore it.
 1. ``start(row, prompt_ids, hidden, next_token)`` per row after the target's prefill:
    ``prompt_ids`` Long[T], ``hidden`` the target's hidden states of every prompt position
    (indices in ``Proposer.layers``, [1, T, H] each), ``next_token`` the target's token after it.
@@ -38,6 +40,9 @@ The default ``batched`` forks the proposer per row (:meth:`Proposer.fork`) and r
 calls to each fork's one-sequence ``start`` / ``propose`` / ``advance``, row after row; a family
 may return its own :class:`RowProposers` subclass that drafts every row at once.
 
+A draft may carry a :class:`Branch`: inputs the verify forward also runs, whose logits go back
+to the proposer (Jacobi lookahead drafts its next guesses so, in the forward that verifies these).
+
 Losslessness contract for sampling (temperature > 0): ``ChainDraft.probs[j]`` must be the
 distribution ``tokens[j]`` was actually drawn from, processed by ``sampling.probs`` so the draft
 q sees the same temperature / top-k / top-p as the target's p. A proposer that picks tokens
@@ -53,7 +58,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import ClassVar, Mapping, Union
+from typing import Callable, ClassVar, Mapping, Union
 
 import torch
 
@@ -110,9 +115,24 @@ class Sampling:
 
 # ---------------------------------------------------------------------- what a proposer returns
 @dataclass
+class Branch:
+    """Inputs that ride along a step's verify forward without being verified (Jacobi lookahead's
+    branch): each sees the past, the step's last token and the branch inputs ``mask`` allows; no
+    draft sees them, and their cache slots are dropped after the step. ``positions`` are offsets
+    from the last token's position (>= 1); ``on_logits`` receives the target's logits after each
+    input, [E, V], once the forward is done. At most :attr:`Proposer.branch_inputs` inputs."""
+
+    tokens: torch.Tensor  # Long[E]
+    positions: torch.Tensor  # Long[E]
+    mask: torch.Tensor  # Bool[E, E]: input i may see input j
+    on_logits: Callable[[torch.Tensor], None]
+
+
+@dataclass
 class ChainDraft:
     tokens: torch.Tensor  # Long[k], target-vocab ids (k may be smaller than asked, even 0)
     probs: torch.Tensor | None = None  # Float[k, V] draft distribution per position (None = point mass)
+    branch: Branch | None = None
 
 
 @dataclass
@@ -122,6 +142,7 @@ class DraftTree:
     tokens: torch.Tensor  # Long[N] draft tokens (root excluded), target-vocab ids
     parents: torch.Tensor  # Long[N] parent node index of draft i (0 = the root)
     depth: torch.Tensor  # Long[N] depth of each draft (1 = child of the root)
+    branch: Branch | None = None
 
 
 # ---------------------------------------------------------------------- bounds of the decoding options
@@ -463,6 +484,8 @@ class Proposer:
     # bytes per token of context of the drafter's own KV cache (None: it keeps none or does not
     # say); a report states it as a share of the target's
     cache_bytes_per_token: int | None = None
+    # most inputs a draft's Branch holds (the decoder reserves that room in the target's cache)
+    branch_inputs: int = 0
 
     def verifier(self, target):
         """The target whose forwards verify this proposer's drafts, given the one it was loaded
@@ -485,6 +508,11 @@ class Proposer:
 
     def configure(self, sampling: Sampling) -> None:
         self.sampling = sampling
+
+    def use_target(self, steps) -> None:
+        """Before ``start``: ``steps`` (:class:`~draftlab.inference.decoder.TargetSteps`) runs the
+        target over its own KV cache, for a proposer that drafts with the target itself. Default:
+        not needed."""
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], next_token: int) -> None:
         raise NotImplementedError
@@ -520,6 +548,10 @@ class RowProposers:
     def configure(self, sampling: Sampling) -> None:
         for p in self.rows:
             p.configure(sampling)
+
+    def use_target(self, steps) -> None:
+        for p in self.rows:
+            p.use_target(steps)
 
     def start(self, row: int, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], next_token: int) -> None:
         self.rows[row].start(prompt_ids, hidden, next_token)

@@ -432,6 +432,7 @@ class Target:
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         logits: str | None = "all",
+        skip: frozenset[int] | tuple[int, ...] = (),
     ) -> TargetOutput:
         """Run the target over ``input_ids`` [B, T].
 
@@ -445,6 +446,8 @@ class Target:
           [B or 1, T, max(lengths) + T] over each row's past and new slots as well
           (:meth:`RaggedKVCache.begin`).
         * ``logits``: "all", "last" or None.
+        * ``skip``: decoder layers (0-based) to pass over: the residual stream goes through
+          unchanged and the cache gets nothing at that layer (self-speculation drafts so).
         """
         B, T = input_ids.shape
         ragged = isinstance(cache, RaggedKVCache)
@@ -466,7 +469,8 @@ class Target:
         if 0 in wanted:
             hidden[0] = x
         for i, layer in enumerate(self._backbone.layers):
-            x = self._layer(layer, x, cos, sin, cache, i, past, mask)
+            if i not in skip:
+                x = self._layer(layer, x, cos, sin, cache, i, past, mask)
             if i + 1 in wanted and i + 1 < self.num_layers:
                 hidden[i + 1] = x
         x = self._backbone.norm(x)
