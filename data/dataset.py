@@ -144,6 +144,11 @@ def build_samples(spec: DataSpec, tokenizer, target=None, regenerate_path=None) 
     return SampleSet(samples["train"], samples["heldout"], held_prompts, report)
 
 
+def pad_id(tokenizer) -> int:
+    """The id ``collate`` pads with: the tokenizer's pad token, else 0 (right padding: never attended)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a batch: ``input_ids`` (pad_id), ``loss_mask`` (False), ``attention_mask`` (0) [B, T]."""
     if not samples:

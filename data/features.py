@@ -1,8 +1,9 @@
 """Where the trainer's target features come from: one source, three modes (``capture.mode``).
 
 * ``online``: the target runs on every micro-batch.
-* ``memory``: online the first time a sample is seen, in a forward of its own; its hidden
-  states and the drafter's derived targets are then kept in RAM and reused in later epochs.
+* ``memory``: online the first time a sample is seen, in a forward over its capture group
+  (the seed's epoch-0 batches at ``capture.group_tokens``); its hidden states and the
+  drafter's derived targets are then kept in RAM and reused in later epochs.
 * ``offline``: hidden states are read from shards written by ``draftlab capture``
   (:mod:`draftlab.data.offline`); the drafter's derived targets are computed from them.
 
@@ -18,6 +19,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from draftlab.data.capture import capture_batch
+from draftlab.data.dataset import batches_by_tokens, collate, pad_id
 from draftlab.errors import DraftlabError
 
 Hidden = dict[int, torch.Tensor]  # layer -> [B, T, H] (or [T, H] for one cached sample)
@@ -27,13 +29,17 @@ class FeatureSource:
     """``capture``: the recipe's capture section (``mode``, ``offline_dir``); ``drafter``: the
     unwrapped drafter whose ``capture_layers`` are read and whose ``derived_targets`` are
     added; ``samples``: the training samples the trainer's indices point into; ``data_spec``:
-    the recipe's data section as JSON, which an offline capture must have been made from."""
+    the recipe's data section as JSON, which an offline capture must have been made from.
+    ``group_tokens`` and ``seed`` (memory mode) fix the capture groups: ``batches_by_tokens``
+    of epoch 0, a function of the samples alone (1: every sample alone)."""
 
-    def __init__(self, capture, target, drafter, samples: Sequence[dict], data_spec: dict):
+    def __init__(self, capture, target, drafter, samples: Sequence[dict], data_spec: dict, group_tokens: int = 1, seed: int = 0):
         self.mode = capture.mode
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter, self.samples = target, drafter, samples
         self.layers: list[int] = drafter.capture_layers
         self.memory: dict[int, tuple[Hidden, dict[str, torch.Tensor]]] = {}  # sample -> (hidden, derived), unpadded
+        self.groups: list[list[int]] = batches_by_tokens(samples, group_tokens, seed, epoch=0) if self.mode == "memory" else []
+        self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
         self.offline = self._open_offline(capture.offline_dir, len(samples), data_spec) if self.mode == "offline" else None
 
     def _open_offline(self, offline_dir: str, num_samples: int, data_spec: dict):
@@ -56,9 +62,9 @@ class FeatureSource:
         for the samples ``indices``, collated (right-padded) into ``batch``. Per-sample rows
         are zero-padded to the batch's T, the longest sample's length (``collate``)."""
         if self.mode == "memory":
-            for j, i in enumerate(indices):
+            for i in indices:
                 if i not in self.memory:
-                    self._remember(i, {k: v[j : j + 1, : int(batch["attention_mask"][j].sum())] for k, v in batch.items()})
+                    self._remember(self.groups[self.group_of[i]])
             return self._remembered(indices, batch)
         hidden = self._read_offline(indices) if self.mode == "offline" else self._run_target(batch)
         return hidden, {**batch, **self.drafter.derived_targets(hidden, batch)}
@@ -75,14 +81,18 @@ class FeatureSource:
             for layer in self.layers
         }
 
-    def _remember(self, i: int, one: dict) -> None:
-        """Capture sample ``i`` (``one``: its unpadded batch of one) alone: a forward's rounding
-        depends on the batch's shape, so features computed in whatever batch a sample first
-        met would make a resumed run (which refills the cache in other batches) drift from an
-        uninterrupted one."""
-        hidden = self._run_target(one)
-        derived = self.drafter.derived_targets(hidden, one)
-        self.memory[i] = ({layer: h[0] for layer, h in hidden.items()}, {k: v[0] for k, v in derived.items()})
+    def _remember(self, group: list[int]) -> None:
+        """Capture the samples ``group`` in one forward. A forward's rounding depends on the
+        batch's shape, so the groups are fixed by the samples alone, never by the batch a sample
+        first met: a resumed run, which refills the cache from other batches, recomputes the
+        same groups in the same shapes and gets identical features."""
+        batch = {k: v.to(self.target.device) for k, v in collate([self.samples[i] for i in group], pad_id(self.target.tokenizer)).items()}
+        hidden = self._run_target(batch)
+        derived = self.drafter.derived_targets(hidden, batch)
+        for j, i in enumerate(group):
+            n = self.samples[i]["input_ids"].numel()
+            # copies: a view would keep the whole padded group alive
+            self.memory[i] = ({layer: h[j, :n].clone() for layer, h in hidden.items()}, {k: v[j, :n].clone() for k, v in derived.items()})
 
     def _remembered(self, indices: list[int], batch: dict) -> tuple[Hidden, dict]:
         cached = [self.memory[i] for i in indices]

@@ -4,7 +4,7 @@ Training, resume, evaluation, export and import all read and write drafters thro
 none of them imports the trainer. A checkpoint is a directory::
 
     model.safetensors     drafter weights (frozen target-owned tensors excluded)
-    draftlab.json         format, algorithm, drafter meta, target identity, recipe, step, metrics
+    draftlab.json         format, algorithm, drafter meta, target identity, recipe, step, metrics, precision
     trainer/              optimizer, scheduler and RNG state (written and read by ``train/``)
 
 written to a temporary sibling and renamed into place (``draftlab.atomic``), so a kill never
@@ -59,7 +59,9 @@ def save_weights(tmp: Path, state: dict, meta: dict, where=None) -> None:
     write_json(tmp / META, {"format": FORMAT, **meta})
 
 
-def checkpoint_meta(drafter, target_identity: dict, recipe: dict | None, step: int, metrics: dict | None = None) -> dict:
+def checkpoint_meta(drafter, target_identity: dict, recipe: dict | None, step: int, metrics: dict | None = None,
+                    precision: dict | None = None) -> dict:
+    """``precision``: what training resolved ``train.precision`` to (``train.backends.precision``), when trained."""
     return {
         "algorithm": drafter.algorithm,
         "drafter": drafter.meta(),
@@ -67,6 +69,7 @@ def checkpoint_meta(drafter, target_identity: dict, recipe: dict | None, step: i
         "recipe": recipe,
         "step": step,
         "metrics": metrics or {},
+        **({"precision": precision} if precision is not None else {}),
     }
 
 

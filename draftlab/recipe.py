@@ -39,6 +39,19 @@ class CaptureSpec(Strict):
         "offline: read shards written by `draftlab capture`",
     )
     offline_dir: str | None = None
+    group_tokens: int | None = Field(
+        None, ge=1,
+        description="memory: padded tokens per target forward of the first capture; the groups are the seed's "
+        "epoch-0 batches at this budget, the same in every run, so a resumed run recomputes identical features; "
+        "default train.batch_tokens (epoch 0's micro-batches themselves)",
+    )
+
+    @field_validator("group_tokens")
+    @classmethod
+    def _group_tokens_for_memory(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("mode") != "memory":
+            raise PydanticCustomError("group_tokens", "applies to capture.mode memory only")
+        return value
 
 
 class TrainSpec(Strict):
@@ -55,6 +68,12 @@ class TrainSpec(Strict):
     checkpoint_every: int = Field(100, ge=1)
     keep_last: int = Field(2, ge=1)
     log_every: int = Field(1, ge=1)
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="auto: bf16 on CUDA, fp32 on CPU (where bf16 matmuls are far slower); bf16: Accelerate's bf16 "
+        "autocast, fp32 master weights, TF32 for the fp32 matmuls left on CUDA; fp32: fp32 throughout, no TF32. "
+        "The target (capture) runs in target.dtype whatever this says",
+    )
     time_limit_minutes: float | None = Field(
         None, gt=0, description="stop (with a checkpoint) once training has run this long; resume continues"
     )
@@ -186,6 +205,9 @@ class Recipe(Strict):
         d.pop("logging")
         for k in ("max_steps", "epochs", "time_limit_minutes", "checkpoint_every", "keep_last", "log_every"):
             d["train"].pop(k)
+        d["train"].pop("precision")  # "auto" depends on the machine: resume checks the precision it resolved to
+        if d["capture"]["group_tokens"] is None:  # train.batch_tokens, hashed already (and runs from before it keep their hash)
+            d["capture"].pop("group_tokens")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -2,7 +2,7 @@
 and the workarounds each needs, so the loop in ``trainer.py`` never branches on the back end.
 
 :func:`make_accelerator` builds this process's Accelerator; :func:`prepare` wraps the drafter and its
-optimizer; :func:`describe` and :func:`owned_weight_fraction` say what the run got.
+optimizer; :func:`describe`, :func:`precision` and :func:`owned_weight_fraction` say what the run got.
 """
 
 from __future__ import annotations
@@ -13,22 +13,36 @@ from accelerate.utils import DistributedType
 from draftlab.errors import DraftlabError
 
 
-def make_accelerator():
-    """This process's Accelerator, honouring ``accelerate launch --config_file`` on a CPU-only machine too."""
+def resolve_precision(precision: str) -> str:
+    """The recipe's ``train.precision`` on this machine: ``auto`` is bf16 on CUDA and fp32 elsewhere (CPU
+    bf16 matmuls are far slower than fp32 ones)."""
+    return "bf16" if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()) else "fp32"
+
+
+def make_accelerator(precision: str):
+    """This process's Accelerator, honouring ``accelerate launch --config_file`` on a CPU-only machine too.
+    ``precision`` is the recipe's ``train.precision``: it overrides the launch config's ``mixed_precision``
+    (the recipe owns the numerics, as it owns accumulation and clipping)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
 
-    fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
-    if torch.cuda.is_available():
-        accelerator = Accelerator()
-    elif fsdp or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+    cuda = torch.cuda.is_available()
+    bf16 = resolve_precision(precision) == "bf16"
+    fsdp, deepspeed = parse_flag_from_env("ACCELERATE_USE_FSDP"), parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    # DeepSpeed's own bf16 mode would keep bf16 weights in the module: there ``prepare`` autocasts instead
+    mixed = "bf16" if bf16 and not deepspeed else "no"
+    if cuda:
+        # TF32 for the fp32 matmuls autocast leaves (bf16) and none at all for an explicit fp32 run
+        torch.set_float32_matmul_precision("high" if bf16 else "highest")
+        accelerator = Accelerator(mixed_precision=mixed)
+    elif fsdp or deepspeed:
         # cpu=True would silently drop DeepSpeed and FSDP, and cpu=False alone leaves each process on its
         # own (no backend, world size 1): ask for a gloo process group explicitly.
-        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        accelerator = Accelerator(mixed_precision=mixed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
         if fsdp:
             _enable_fsdp2_on_cpu()
     else:
-        accelerator = Accelerator(cpu=True)  # gloo DDP under torchrun / MULTI_CPU configs
+        accelerator = Accelerator(cpu=True, mixed_precision=mixed)  # gloo DDP under torchrun / MULTI_CPU configs
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # Accelerate registers its DeepSpeed config with transformers, which under ZeRO-3 then builds every
         # from_pretrained model partitioned (deepspeed.zero.Init). The frozen target must stay whole on each
@@ -62,6 +76,11 @@ def prepare(accelerator, train, drafter, optimizer):
     accelerator.gradient_accumulation_steps = train.grad_accum
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _reconcile_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, train)
+        if resolve_precision(train.precision) == "bf16":
+            # Accelerate's autocast for the other back ends, by hand: bf16 compute over DeepSpeed's fp32 weights
+            from accelerate.utils import convert_outputs_to_fp32
+
+            drafter.forward = convert_outputs_to_fp32(torch.autocast(accelerator.device.type, torch.bfloat16)(drafter.forward))
     if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
         raise DraftlabError("Accelerate config fsdp_cpu_ram_efficient_loading must be false: Accelerate's FSDP2 "
                             "loader then takes the drafter's buffers (d2t, t2d) for sharded parameters and fails")
@@ -83,6 +102,10 @@ def _reconcile_deepspeed_config(cfg: dict, train) -> None:
     # Micro-batches are token-budgeted, so DeepSpeed's batch-size bookkeeping only needs a consistent value.
     if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         cfg["train_micro_batch_size_per_gpu"] = 1
+    for key in ("bf16", "fp16"):  # DeepSpeed's mixed precision keeps 16-bit weights in the module
+        if cfg.get(key, {}).get("enabled", "auto") not in ("auto", False):
+            raise DraftlabError(f"DeepSpeed config {key}.enabled must be \"auto\" or false: train.precision sets the precision "
+                                "(bf16 autocast over fp32 weights)")
     if cfg.get("zero_optimization", {}).get("elastic_checkpoint"):
         raise DraftlabError("DeepSpeed config zero_optimization.elastic_checkpoint is not supported (checkpoints are per rank)")
 
@@ -98,6 +121,13 @@ def describe(accelerator) -> str:
     """The back end as the run reports it: ``NO``, ``MULTI_CPU``, ``FSDP``, ``DEEPSPEED ZeRO-2``, ..."""
     stage = zero_stage(accelerator)
     return accelerator.distributed_type.value + (f" ZeRO-{stage}" if stage is not None else "")
+
+
+def precision(accelerator, train) -> dict:
+    """The numerics the run got, as checkpoints record them: ``train`` ``bf16`` (bf16 autocast, fp32 master
+    weights) or ``fp32``, and whether CUDA fp32 matmuls use TF32."""
+    tf32 = accelerator.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    return {"train": resolve_precision(train.precision), "tf32": tf32}
 
 
 def owned_weight_fraction(model) -> float:

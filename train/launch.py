@@ -38,7 +38,7 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     writable_dir(recipe.output_dir, "output_dir")
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
 
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(recipe.train.precision)
     main = accelerator.is_main_process
     seed_everything(recipe.seed)
     device = str(accelerator.device) if recipe.target.device == "auto" else recipe.target.device
@@ -58,7 +58,8 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
 
     # Drafter weights stay fp32 (master weights) whatever the target's dtype.
     drafter = algo.build(drafter_cfg, target, samples.train).float()
-    features = FeatureSource(recipe.capture, target, drafter, samples.train, recipe.data.model_dump(mode="json"))
+    features = FeatureSource(recipe.capture, target, drafter, samples.train, recipe.data.model_dump(mode="json"),
+                             group_tokens=recipe.capture.group_tokens or recipe.train.batch_tokens, seed=recipe.seed)
     evaluator = CheckpointEvaluator(recipe, target, samples, drafter) if recipe.eval.enabled else None
     # Different ranks draw different noise, reproducibly.
     seed_everything(recipe.seed * 1000 + accelerator.process_index + 1)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from draftlab import atomic
 from draftlab import checkpoint as ckpt
 from draftlab.atomic import publish, write_json
-from draftlab.data.dataset import batches_by_tokens, collate
+from draftlab.data.dataset import batches_by_tokens, collate, pad_id
 from draftlab.errors import DraftlabError
 from draftlab.train import backends, hooks, optimizer_state, rng
 from draftlab.train.metrics_log import MetricLogger
@@ -56,7 +56,7 @@ class Trainer:
         self.run_dir = Path(recipe.output_dir)
         self.world = accelerator.num_processes
         self.rank = accelerator.process_index
-        self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+        self.pad_id = pad_id(target.tokenizer)
 
         t = recipe.train
         self.batches_per_epoch = len(self._epoch_batches(0)) // self.world
@@ -75,6 +75,7 @@ class Trainer:
         # world size), which would run the warmup + cosine schedule world-size times too fast under DDP.
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, self.total_steps, t.min_lr_ratio))
         self.model, self.opt = backends.prepare(accelerator, t, drafter, opt)
+        self.precision = backends.precision(accelerator, t)
         self.opt_state = optimizer_state.for_run(accelerator, self.model, self.opt, self.sched)
         self.step = 0
         self.elapsed = 0.0  # training seconds over all resumed runs
@@ -124,12 +125,13 @@ class Trainer:
             with failures.caught():
                 if main:
                     drafter = self.accelerator.unwrap_model(self.model)
-                    meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics)
+                    meta = ckpt.checkpoint_meta(drafter, self.target.identity, self.recipe.model_dump(mode="json"), self.step, metrics,
+                                                precision=self.precision)
                     ckpt.save_weights(staging, weights, meta)
                     write_json(
                         trainer_dir / STATE,
                         {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
-                         "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau},
+                         "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau, "precision": self.precision["train"]},
                     )
                     publish(staging, final)
             failures.raise_if_any()
@@ -168,6 +170,12 @@ class Trainer:
             raise DraftlabError(
                 f"output_dir {self.run_dir} holds a run of a different recipe ({state_file}: fingerprint "
                 f"{state['fingerprint']!r}); use a new output_dir or the same recipe"
+            )
+        # bf16 and fp32 steps round differently: resuming in the other would not end where the run would have
+        if state.get("precision", self.precision["train"]) != self.precision["train"]:
+            raise DraftlabError(
+                f"{state_file}: trained with precision {state['precision']}, this run resolves train.precision="
+                f"{self.recipe.train.precision} to {self.precision['train']}; set train.precision={state['precision']} or use a new output_dir"
             )
         drafter, _ = ckpt.load_drafter(last, self.target, dtype=torch.float32)
         self.opt_state.load(last / "trainer", drafter.state_dict(), state)
@@ -210,6 +218,8 @@ class Trainer:
             owned = backends.owned_weight_fraction(self.model)
             print(f"distributed: {backends.describe(self.accelerator)}, world size {self.world}, "
                   f"rank 0 owns {owned:.0%} of the drafter weights", flush=True)
+            print(f"precision: {self.precision['train']}{' (fp32 master weights)' if self.precision['train'] == 'bf16' else ''}, "
+                  f"TF32 matmuls {'on' if self.precision['tf32'] else 'off'}", flush=True)
         logger = None
         with failures.caught():
             logger = MetricLogger(self.run_dir, self.recipe, main)
@@ -219,6 +229,7 @@ class Trainer:
         last_metrics: dict = {}
         started = time.perf_counter() - self.elapsed
         out_of_time = False
+        startup_s = _process_age()  # process start to this process's first step: logged with that step
         self.model.train()
         try:  # the bar ends its line whatever happens: an error then starts a line of its own
             while self.step < self.total_steps and not out_of_time:
@@ -255,12 +266,15 @@ class Trainer:
                     "grad_norm": float(grad_norm),
                     "tokens": tokens,
                     "tokens_per_s": tok_s,
+                    "step_s": dt,
                     "elapsed_s": self.elapsed,
+                    **({"startup_s": startup_s} if startup_s is not None else {}),
                 }
-                if self.step % t.log_every == 0 or self.step == self.total_steps:
+                if self.step % t.log_every == 0 or self.step == self.total_steps or startup_s is not None:
                     with failures.caught():
                         logger.log(last_metrics)
                     failures.raise_if_any()
+                startup_s = None
                 acc = agg.get("acc", [])
                 bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
                 bar.update(1)
@@ -294,7 +308,9 @@ class Trainer:
         return bool((everyone == everyone[0]).all())
 
     def checkpoint_and_eval(self, metrics: dict, logger: MetricLogger) -> None:
+        t0 = time.perf_counter()
         path = self.save(metrics)
+        checkpoint_s = time.perf_counter() - t0
         for hook in hooks.after_checkpoint:
             hook(self, path)
         if self.evaluate is not None and self.recipe.eval.enabled:
@@ -302,10 +318,13 @@ class Trainer:
             with failures.caught():
                 if self.accelerator.is_main_process:
                     self.model.eval()
+                    t0 = time.perf_counter()
                     report = self.evaluate(path)
+                    eval_s = time.perf_counter() - t0
                     self.model.train()
                     if report:
-                        logger.log({"step": self.step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup")})
+                        logger.log({"step": self.step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup"),
+                                    "checkpoint_s": checkpoint_s, "eval_s": eval_s})
                         # the checkpoint's JSON carries the measured acceptance (model cards read it), best's copy too
                         meta = ckpt.read_meta(path)
                         meta["metrics"]["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
@@ -324,6 +343,7 @@ _STATE_FIELDS = {
     "fingerprint": ((str,), True),
     "optimizer_layout": ((str,), False),  # absent in checkpoints from before DeepSpeed/FSDP support: torch
     "best_tau": ((int, float, type(None)), False),
+    "precision": ((str,), False),  # absent in checkpoints from before train.precision: not checked
 }
 
 
@@ -345,7 +365,16 @@ def read_state(path: Path) -> dict:
             raise DraftlabError(f"{path}: field '{name}' must not be negative, got {state[name]}")
     if state["world_size"] < 1:
         raise DraftlabError(f"{path}: field 'world_size' must be at least 1, got {state['world_size']}")
+    if state.get("precision", "fp32") not in ("fp32", "bf16"):
+        raise DraftlabError(f"{path}: field 'precision' must be \"fp32\" or \"bf16\", got {json.dumps(state['precision'])[:40]}")
     return state
+
+
+def _process_age() -> float:
+    """Seconds since this process started (imports, target load, data preparation and set-up included)."""
+    import psutil  # an Accelerate dependency
+
+    return time.time() - psutil.Process().create_time()
 
 
 def _dir_step(path: Path) -> int | None:
