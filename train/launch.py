@@ -37,6 +37,8 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     # before minutes of loading and data preparation, not at the first checkpoint
     writable_dir(recipe.output_dir, "output_dir")
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
+    if not algo.trains_weights:  # nothing to train by gradient steps (a layer-set search): the family's own run
+        return algo.fit(recipe)
 
     accelerator = make_accelerator(recipe.train.precision)
     main = accelerator.is_main_process
