@@ -275,7 +275,7 @@ class TargetSteps:
     the same draft wrote. The decoder rolls the cache back once ``propose`` returns, so what a
     draft wrote is overwritten by the verify forward. Rows are the sequences still decoding, in
     the order the proposer's rows are (finished ones leave), so such a proposer drafts every row
-    at once (its own :class:`RowProposers`); a batch of one is one row."""
+    at once (a :class:`~draftlab.inference.proposer.BatchProposer`); a batch of one is one row."""
 
     def __init__(self, target, cache, batch: _Batch):
         self.target, self._cache, self._batch = target, cache, batch

@@ -25,7 +25,7 @@ import math
 import torch
 
 from draftlab.inference.proposer import (
-    PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, RowProposers, Sampling, StaticTree,
+    PROPOSERS, BatchProposer, Chain, ChainDraft, DraftTree, DynamicTree, RowProposers, Sampling, StaticTree,
 )
 from draftlab.models.target import Target
 
@@ -34,7 +34,7 @@ ROOM = 256
 
 
 @PROPOSERS.register("draft_lm")
-class DraftLMProposer(Proposer):
+class DraftLMProposer(BatchProposer):
     shapes = frozenset({"chain", "dynamic_tree", "static_tree"})
     layers = ()  # drafts from tokens alone
 
@@ -45,18 +45,7 @@ class DraftLMProposer(Proposer):
         self.lm = Target(copy.deepcopy(drafter.lm), None, {"name": drafter.algorithm})
         self.cache_bytes_per_token = self.lm.kv_bytes_per_token
 
-    def start(self, prompt_ids, hidden, next_token):
-        self._rows = DraftLMRows(self, 1)
-        self._rows.configure(self.sampling)
-        self._rows.start(0, prompt_ids, hidden, next_token)
-
-    def propose(self, shape):
-        return self._rows.propose(shape)[0]
-
-    def advance(self, accepted, hidden):
-        self._rows.advance([accepted], [hidden], [0])
-
-    def batched(self, n: int, shape) -> RowProposers:
+    def rows(self, n: int) -> RowProposers:
         """Every row's drafts from one draft-LM forward per draft position (:class:`DraftLMRows`)."""
         return DraftLMRows(self, n)
 

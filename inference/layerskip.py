@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, RowProposers, Sampling
+from draftlab.inference.proposer import PROPOSERS, BatchProposer, Chain, ChainDraft, DraftTree, DynamicTree, RowProposers, Sampling
 
 # Draft & Verify's exit (``auto_parameters`` of dilab-zju/self-speculative-decoding)
 EXIT_START = {True: 0.8, False: 0.5}  # gamma's start, by greedy
@@ -43,7 +43,7 @@ EXIT_MOMENTUM = 0.9
 
 
 @PROPOSERS.register("layerskip")
-class LayerSkipProposer(Proposer):
+class LayerSkipProposer(BatchProposer):
     shapes = frozenset({"chain", "dynamic_tree"})
     layers = ()  # reads no hidden state: it runs the target
 
@@ -51,25 +51,8 @@ class LayerSkipProposer(Proposer):
         self.name = drafter.algorithm
         self.skip = frozenset(drafter.skip)
         self.adaptive_exit = drafter.adaptive_exit
-        self.steps = None
-        self._rows: LayerSkipRows | None = None
 
-    def use_target(self, steps) -> None:
-        self.steps = steps
-
-    def start(self, prompt_ids, hidden, next_token):
-        self._rows = LayerSkipRows(self, 1)
-        self._rows.configure(self.sampling)
-        self._rows.use_target(self.steps)
-        self._rows.start(0, prompt_ids, hidden, next_token)
-
-    def propose(self, shape):
-        return self._rows.propose(shape)[0]
-
-    def advance(self, accepted, hidden):
-        self._rows.advance([accepted], [hidden], [0])
-
-    def batched(self, n: int, shape) -> RowProposers:
+    def rows(self, n: int) -> RowProposers:
         """Every row's drafts from the same forwards of the target (:class:`LayerSkipRows`)."""
         return LayerSkipRows(self, n)
 

@@ -38,7 +38,8 @@ position among the sequences still decoding:
 
 The default ``batched`` forks the proposer per row (:meth:`Proposer.fork`) and relays these
 calls to each fork's one-sequence ``start`` / ``propose`` / ``advance``, row after row; a family
-may return its own :class:`RowProposers` subclass that drafts every row at once.
+may return its own :class:`RowProposers` subclass that drafts every row at once
+(:class:`BatchProposer` relays a batch of one to such rows too).
 
 A draft may carry a :class:`Branch`: inputs the verify forward also runs, whose logits go back
 to the proposer (Jacobi lookahead drafts its next guesses so, in the forward that verifies these).
@@ -567,6 +568,36 @@ class RowProposers:
     def select(self, rows: list[int]) -> None:
         """Keep only the proposers at ``rows`` (finished sequences leave the batch)."""
         self.rows = [self.rows[r] for r in rows]
+
+
+class BatchProposer(Proposer):
+    """A proposer whose drafter works on every row of a batch at once (one forward per draft
+    position): :meth:`rows` builds its :class:`RowProposers` of ``n`` rows, which ``batched``
+    returns; a batch of one, which the decoder drafts through the proposer itself, relays to a
+    one-row one."""
+
+    steps = None  # what use_target handed over
+
+    def rows(self, n: int) -> RowProposers:
+        raise NotImplementedError
+
+    def batched(self, n: int, shape: Shape) -> RowProposers:
+        return self.rows(n)
+
+    def use_target(self, steps) -> None:
+        self.steps = steps
+
+    def start(self, prompt_ids, hidden, next_token) -> None:
+        self._one = self.rows(1)
+        self._one.configure(self.sampling)
+        self._one.use_target(self.steps)
+        self._one.start(0, prompt_ids, hidden, next_token)
+
+    def propose(self, shape: Shape):
+        return self._one.propose(shape)[0]
+
+    def advance(self, accepted, hidden) -> None:
+        self._one.advance([accepted], [hidden], [0])
 
 
 def check_shape(shape, shapes: frozenset[str], drafter: str) -> None:

@@ -132,7 +132,7 @@ def test_cache_holds_what_a_fresh_pass_over_the_committed_tokens_gives(tiny_llam
     n_new = 80  # beyond the first allocation of 64 slots
     res = SpeculativeDecoder(tiny_llama, noisy).generate(prompts[1], n_new, SHAPES[method])
     assert res.tokens[:N_NEW] == alone[1]
-    rows, lm = noisy._rows, noisy.lm
+    rows, lm = noisy._one, noisy.lm
     assert rows.cache.max_len > 64
     n = rows.committed[0]
     assert len(prompts[1]) + 40 < n <= len(prompts[1]) + n_new

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftlab.inference.decoder import Decoder, generate_plain_batch
-from draftlab.inference.proposer import Chain, ChainDraft, Proposer, RowProposers
+from draftlab.inference.proposer import BatchProposer, Chain, ChainDraft, RowProposers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,29 +45,12 @@ class _Rows(RowProposers):
         return [ChainDraft(t) for t in torch.cat(drafts, 1)]
 
 
-class _SelfDraft(Proposer):
-    """A batch of one drafts through the proposer itself, relayed to a one-row ``_Rows``."""
-
+class _SelfDraft(BatchProposer):
     name = "self"
     shapes = frozenset({"chain"})
 
-    def __init__(self):
-        self.one = _Rows()
-
-    def batched(self, n, shape):
+    def rows(self, n):
         return _Rows()
-
-    def use_target(self, steps):
-        self.one.use_target(steps)
-
-    def start(self, prompt_ids, hidden, next_token):
-        self.one.start(0, prompt_ids, hidden, next_token)
-
-    def propose(self, shape):
-        return self.one.propose(shape)[0]
-
-    def advance(self, accepted, hidden):
-        self.one.advance([accepted], [hidden], [0])
 
 
 @pytest.mark.parametrize("texts", [["a b c a b c"], ["The quick brown fox", "def add(a, b):", "Hello"]])
