@@ -33,3 +33,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts(request, tiny_llama):
+    """The test module's ``TEXTS``, tokenised by the tiny Llama target."""
+    return [tiny_llama.tokenizer(t)["input_ids"] for t in request.module.TEXTS]
+
+
+@pytest.fixture(scope="module")
+def alone(request, tiny_llama, prompts):
+    """Each prompt's plain greedy continuation of the module's ``N_NEW`` tokens, decoded alone (batch 1)."""
+    from draftlab.inference.decoder import generate_plain
+
+    return [generate_plain(tiny_llama, p, request.module.N_NEW).tokens for p in prompts]

@@ -17,14 +17,14 @@ from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
 from draftlab.inference.batch_eval import (Speculation, calibrate, compare_batches, crossover_orders, evaluate_batches,
                                           parse_batch_sizes, speedup_interval)
-from draftlab.inference.decoder import Decoder, _cache_slots, generate_plain, generate_plain_batch, run_lockstep
+from draftlab.inference.decoder import Decoder, _cache_slots, generate_plain_batch, run_lockstep
 from draftlab.inference.draft_length import DraftLength, step_cost
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.prompts import EvalPrompt
 from draftlab.inference.proposer import PROPOSERS, Block, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
 from draftlab.models.drafter import DRAFTERS
 from test_decoder import PerturbedProposer
-from tiny import assert_follows_target, random_samples
+from tiny import assert_batch_follows_target, random_samples
 
 TEXTS = ["The quick brown fox jumps", "Speculative decoding drafts tokens and the target verifies them all at once",
          "a b c a b c a b"]
@@ -32,17 +32,6 @@ N_NEW = 24
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_llama):
-    return [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_llama, prompts):
-    """Each prompt's plain greedy continuation, decoded alone (batch 1)."""
-    return [generate_plain(tiny_llama, p, N_NEW).tokens for p in prompts]
 
 
 class RowOracle(Proposer):
@@ -240,16 +229,7 @@ def test_batched_sampling_preserves_each_rows_distribution(tiny_llama):
     ps = [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
     temperature, top_k, n = 1.0, 3, 500
     dec = Decoder(tiny_llama, PerturbedProposer(tiny_llama, scale=1.0, seed=5))
-    counts = [Counter(), Counter()]
-    accepted = Counter()
-    for s in range(n):
-        res = dec.generate(ps, 3, Chain(2), temperature=temperature, top_k=top_k, seed=s)
-        for b in range(2):
-            counts[b][tuple(res.rows[b].tokens)] += 1
-            accepted.update(res.rows[b].accept_lengths[:1])
-    assert len(accepted) == 3, accepted
-    for b, p in enumerate(ps):
-        assert_follows_target(counts[b], tiny_llama, p, 3, temperature, top_k, n)
+    assert_batch_follows_target(dec, tiny_llama, ps, temperature, top_k, n)
 
 
 # ---------------------------------------------------------------------- the draft-length rule

@@ -6,13 +6,12 @@ sampling follows the target's distribution, and the report states the draft's KV
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
 from draftlab.inference import draft_lm
-from draftlab.inference.decoder import Decoder, SpeculativeDecoder, generate_plain, generate_plain_batch
+from draftlab.inference.decoder import Decoder, SpeculativeDecoder, generate_plain_batch
 from draftlab.inference.draft_lm import DraftLMProposer, DraftLMRows
 from draftlab.inference.evaluate import evaluate
 from draftlab.inference.prompts import EvalPrompt
@@ -22,7 +21,7 @@ from draftlab.inference.proposer import (
 from draftlab.inference.report import markdown
 from draftlab.models.drafter import DRAFTERS
 from draftlab.models.target import Target
-from tiny import assert_follows_target, random_samples, save_checkpoint
+from tiny import assert_batch_follows_target, random_samples, save_checkpoint
 
 TEXTS = ["The quick brown fox jumps", "Speculative decoding drafts tokens and the target verifies them all at once",
          "a b c a b c a b"]
@@ -56,16 +55,6 @@ def noisy(tiny_llama):
 def exact(tiny_llama):
     """A proposer whose draft LM is the target itself."""
     return DraftLMProposer(_drafter(tiny_llama, tiny_llama.num_layers))
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_llama):
-    return [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_llama, prompts):
-    return [generate_plain(tiny_llama, p, N_NEW).tokens for p in prompts]
 
 
 def test_registered_and_leaves_the_drafter_as_it_was(tiny_llama, noisy):
@@ -220,15 +209,7 @@ def test_sampled_drafts_keep_the_targets_distribution(tiny_llama, noisy, prompts
     ps = prompts[:2]
     temperature, top_k, n = 1.0, 3, 500
     dec = Decoder(tiny_llama, noisy)
-    counts, accepted = [Counter(), Counter()], Counter()
-    for s in range(n):
-        res = dec.generate(ps, 3, Chain(2), temperature=temperature, top_k=top_k, seed=s)
-        for b in range(2):
-            counts[b][tuple(res.rows[b].tokens)] += 1
-            accepted.update(res.rows[b].accept_lengths[:1])
-    assert len(accepted) == 3, accepted  # the first step accepted 0, 1 and 2 drafts at times
-    for b, p in enumerate(ps):
-        assert_follows_target(counts[b], tiny_llama, p, 3, temperature, top_k, n)
+    assert_batch_follows_target(dec, tiny_llama, ps, temperature, top_k, n)
 
 
 def test_report_states_the_draft_kv_cache_beside_the_targets(tiny_llama, prompts):

@@ -24,16 +24,6 @@ N_NEW = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def prompts(tiny_llama):
-    return [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_llama, prompts):
-    return [generate_plain(tiny_llama, p, N_NEW).tokens for p in prompts]
-
-
 class Recording(LookaheadProposer):
     """Records, per step, the text so far, the branch and the logits handed back."""
 

@@ -30,16 +30,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.fixture(scope="module")
-def prompts(tiny_llama):
-    return [tiny_llama.tokenizer(t)["input_ids"] for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_llama, prompts):
-    return [generate_plain(tiny_llama, p, N_NEW).tokens for p in prompts]
-
-
 def _paths(tree) -> set[tuple[int, ...]]:
     out = set()
     for leaf in range(1, tree.tokens.numel() + 1):

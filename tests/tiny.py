@@ -191,6 +191,25 @@ def assert_follows_target(counts, target, prompt, depth: int, temperature: float
     assert chi2_pvalue(counts, {c: 0.7 * joint[c] + 0.3 * skewed.get(c, 0.0) for c in joint}, n) < 1e-3
 
 
+def assert_batch_follows_target(decoder, target, prompts, temperature: float, top_k: int, n: int) -> None:
+    """``n`` seeded decodings of the batch ``prompts`` (3 new tokens, chains of 2): each row's
+    continuations fit the target's exact joint (:func:`assert_follows_target`), and the first
+    step accepted 0, 1 and 2 drafts at times, so every verify path was taken."""
+    from collections import Counter
+
+    from draftlab.inference.proposer import Chain
+
+    counts, accepted = [Counter() for _ in prompts], Counter()
+    for s in range(n):
+        res = decoder.generate(prompts, 3, Chain(2), temperature=temperature, top_k=top_k, seed=s)
+        for b, row in enumerate(res.rows):
+            counts[b][tuple(row.tokens)] += 1
+            accepted.update(row.accept_lengths[:1])
+    assert len(accepted) == 3, accepted
+    for b, p in enumerate(prompts):
+        assert_follows_target(counts[b], target, p, 3, temperature, top_k, n)
+
+
 def chi2_pvalue(counts, joint: dict, n: int) -> float:
     """Chi-square goodness of fit; cells expecting fewer than 5 draws are pooled."""
     assert set(counts) <= set(joint), f"sampled outside the target's support: {set(counts) - set(joint)}"
