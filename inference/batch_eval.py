@@ -98,12 +98,17 @@ def calibrate(target, spec: Speculation, prompt_ids, batch_sizes, seed: int = 0,
 def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                      eos_token_id=None, adaptive: bool = False, backend: str = "auto", progress=None,
-                     min_groups: int = 1) -> dict:
+                     min_groups: int = 1, cuda_graphs: bool = False) -> dict:
     """The ``batches`` section of a report: one entry per batch size, in the order given, for
-    one proposer decoding with the target it is verified by (:meth:`Proposer.verifier`)."""
+    one proposer decoding with the target it is verified by (:meth:`Proposer.verifier`);
+    ``cuda_graphs``: its forwards and plain decoding's replay captured graphs."""
+    from draftlab.inference.evaluate import graphed
+
     speculations = {"": Speculation(proposer, shape, adaptive)}
-    return compare_batches(proposer.verifier(target), speculations, prompts, batch_sizes, max_new_tokens, temperature,
-                           top_k, top_p, seed, eos_token_id, backend, progress, min_groups)[""]
+    target, graphs = graphed(proposer.verifier(target), proposer, cuda_graphs)
+    section = compare_batches(target, speculations, prompts, batch_sizes, max_new_tokens, temperature,
+                              top_k, top_p, seed, eos_token_id, backend, progress, min_groups)[""]
+    return {**section, "cuda_graphs": graphs()} if graphs else section
 
 
 def compare_batches(target, speculations: dict[str, Speculation], prompts, batch_sizes, max_new_tokens: int = 128,

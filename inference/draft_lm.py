@@ -45,6 +45,9 @@ class DraftLMProposer(BatchProposer):
         self.lm = Target(copy.deepcopy(drafter.lm), None, {"name": drafter.algorithm})
         self.cache_bytes_per_token = self.lm.kv_bytes_per_token
 
+    def use_graphs(self, wrap) -> None:
+        self.lm = wrap(self.lm)
+
     def rows(self, n: int) -> RowProposers:
         """Every row's drafts from one draft-LM forward per draft position (:class:`DraftLMRows`)."""
         return DraftLMRows(self, n)

@@ -105,15 +105,17 @@ def evaluate(
     data: str | None = None,
     label: str | None = None,
     progress=None,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Decode every prompt (prompt i with seed ``seed + i``) plainly and drafting ``shape`` each
     step, in lockstep (the batch-size-1 case of :mod:`~draftlab.inference.batch_eval`'s harness,
     the order alternating from prompt to prompt), and return the report dict, per prompt and per
-    category. ``progress(i, n, spec_result)`` is called after each prompt when given."""
+    category. ``progress(i, n, spec_result)`` is called after each prompt when given.
+    ``cuda_graphs``: both decodings replay captured graphs (:mod:`~draftlab.inference.graphs`)."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
     verifier_note = proposer.verifier_report(target, prompts, max_new_tokens, eos_token_id)
-    target = proposer.verifier(target)
+    target, graphs = graphed(proposer.verifier(target), proposer, cuda_graphs)
     decoder, plain = Decoder(target, proposer, backend=backend), Decoder(target)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     if warmup:
@@ -165,7 +167,26 @@ def evaluate(
         "categories": {c: t.to_dict(baseline) for c, t in sorted(by_cat.items())},
         "prompts": per_prompt,
         **({"verifier_check": verifier_note} if verifier_note else {}),
+        **({"cuda_graphs": graphs()} if graphs else {}),
     }
+
+
+def graphed(target, proposer, on: bool):
+    """When ``on``: ``target`` and the proposer's own model (a draft LM's) with their decoding
+    forwards replayed as CUDA graphs, and a function giving their counts for a report (since
+    the proposer's model was first wrapped: wrapping is done once); else (target, None)."""
+    if not on:
+        return target, None
+    from draftlab.inference.graphs import GraphedTarget
+
+    wrapped = {"target": GraphedTarget(target)}
+
+    def wrap(model):
+        wrapped["drafter"] = model if isinstance(model, GraphedTarget) else GraphedTarget(model)
+        return wrapped["drafter"]
+
+    proposer.use_graphs(wrap)
+    return wrapped["target"], lambda: {k: g.report() for k, g in wrapped.items()}
 
 
 def draft_cache_fields(proposer: Proposer, target) -> dict:
@@ -259,6 +280,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None,
                    help=f"also decode the prompts in batches of these sizes (e.g. 1,2,4,8,16; each 1..{MAX_BATCH_SIZE}): "
                    "speedup by batch size")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the target's decoding forwards as CUDA graphs over a static KV cache (plain and "
+                   "speculative alike; needs a CUDA device); the report counts forwards replayed and run eagerly")
     p.add_argument("--adaptive", action="store_true",
                    help="with --batch-sizes: choose the draft length per step (0..--k) from observed acceptance "
                    "and the verify cost measured at start-up")
@@ -399,6 +423,8 @@ def run(args) -> int:
 
         data_spec = load_recipe(args.recipe, args.overrides).data
     decoding_shape(args)
+    if args.cuda_graphs and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0] != "cuda":
+        raise DraftlabError("--cuda-graphs needs a CUDA device (--device cuda)")
     convs = prompt_conversations(args.data, args.num_prompts, data_spec=data_spec, option="--num-prompts")
     target, proposer, shape = load_models(args)
     prompts = tokenize_prompts(convs, target.tokenizer)
@@ -423,6 +449,7 @@ def run(args) -> int:
         data=args.data,
         label=Path(args.drafter).name,
         progress=progress,
+        cuda_graphs=args.cuda_graphs,
     )
     if batch_sizes:
         from draftlab.inference.batch_eval import evaluate_batches
@@ -434,7 +461,7 @@ def run(args) -> int:
             target, proposer, prompts, shape, batch_sizes, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             eos_token_id=target.tokenizer.eos_token_id, adaptive=args.adaptive, backend=args.backend,
-            progress=batch_progress,
+            progress=batch_progress, cuda_graphs=args.cuda_graphs,
         )
     print(markdown_table(report), end="")
     if batch_sizes:

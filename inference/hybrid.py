@@ -33,6 +33,9 @@ class LookupFirstProposer(Proposer):
         twin.drafter, twin.lookup = self.drafter.fork(), self.lookup.fork()
         return twin
 
+    def use_graphs(self, wrap) -> None:
+        self.drafter.use_graphs(wrap)
+
     def configure(self, sampling: Sampling) -> None:
         super().configure(sampling)
         self.drafter.configure(sampling)

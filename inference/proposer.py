@@ -495,6 +495,11 @@ class Proposer:
         target, and the plain baseline a speedup is measured against decodes with it too."""
         return target
 
+    def use_graphs(self, wrap) -> None:
+        """Run the drafter's own model through ``wrap(model)`` from now on, where it has a model
+        with the target's forward over a ragged KV cache (``wrap``: a model whose decoding
+        forwards replay CUDA graphs, :mod:`~draftlab.inference.graphs`). Default: none."""
+
     def verifier_report(self, target, prompts, max_new_tokens: int, eos_token_id=None) -> dict | None:
         """What an acceptance report must say about :meth:`verifier` besides acceptance, measured
         on ``prompts``; None when the verifier is ``target`` itself (the default)."""

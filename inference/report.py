@@ -41,7 +41,19 @@ def markdown_table(report: dict) -> str:
         cells = [name, _fmt(r.get("num_prompts")), _fmt(r.get("tau"))] + [_fmt(a) for a in alpha]
         cells += [_fmt(r.get("tokens_per_s"), 1), _fmt(r.get("baseline_tokens_per_s"), 1), _fmt(r.get("speedup")), _fmt(r.get("greedy_match"))]
         lines.append("| " + " | ".join(cells) + " |")
+    if "cuda_graphs" in report:
+        lines.append("\n" + graphs_line(report["cuda_graphs"]))
     return "\n".join(lines) + "\n"
+
+
+def graphs_line(graphs: dict) -> str:
+    """What replayed a captured graph and what ran eagerly (and why), per model, in one line."""
+    parts = []
+    for model, g in graphs.items():
+        eager = [f"{n} {k.removeprefix('eager: ')}" for k, n in g.items() if k.startswith("eager: ")]
+        parts.append(f"{model}: {g.get('replayed', 0)} forwards replayed from {g.get('captured', 0)} captured shapes, "
+                     f"eager: {', '.join(eager) if eager else 'none'}")
+    return f"CUDA graphs (prefills run eagerly): {'; '.join(parts)}."
 
 
 def _describe(report: dict) -> str:

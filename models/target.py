@@ -158,17 +158,33 @@ class KVCache:
 
 
 @dataclass
+class CacheStep:
+    """One forward's layout in a :class:`RaggedKVCache` (:meth:`RaggedKVCache.begin`): each
+    input's position and cache slot, what it may attend to, and the row groups attention runs in."""
+
+    positions: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # bool [B, T, span]
+    slots: torch.Tensor  # [B, T]
+    groups: list[tuple[int, int, int]]  # (first row, end row, span)
+
+
+@dataclass
 class RaggedKVCache:
     """Preallocated per-layer K/V of shape [L, B, H_kv, max_len, D] with one length per row
     (batched decoding: rows hold prompts of different lengths and accept different numbers of
     drafts). A forward of T inputs per row writes row b's at slots ``lengths[b]..+T`` and
     attends over ``0..max(lengths) + T`` with a mask that hides the other rows' extra slots;
     the decoder then sets each row's kept length (:meth:`crop`) or compacts an accepted tree
-    path (:meth:`keep`), and drops finished rows (:meth:`select`)."""
+    path (:meth:`keep`), and drops finished rows (:meth:`select`).
+
+    ``static``: attention always spans all ``max_len`` slots, every row in one group, so a
+    forward's shapes depend on its rows and inputs only, never on the lengths: what a captured
+    graph needs (:mod:`draftlab.inference.graphs`), at the cost of reading every slot."""
 
     k: torch.Tensor
     v: torch.Tensor
     lengths: list[int]
+    static: bool = False
 
     @property
     def max_len(self) -> int:
@@ -210,42 +226,44 @@ class RaggedKVCache:
         self.k, self.v = self.k[:, : len(rows)], self.v[:, : len(rows)]
         self.lengths = [self.lengths[r] for r in rows]
 
-    def begin(self, T: int, offsets: torch.Tensor | None, new_mask: torch.Tensor | None):
-        """Position ids [B, T] (``lengths[b]`` + offsets, default 0..T-1) and the attention mask
-        [B, T, max(lengths) + T] of a forward of T inputs per row; ``new_mask`` [B or 1, T, T]
-        says which new inputs see which (default causal), or, given over that whole span, also
-        which of each row's past slots they see (a draft tree grown level by level in the cache
-        hides the other branches); slots beyond a row's past and new inputs stay hidden.
-        Remembers the write slots and the row groups attention runs in (:meth:`update`)."""
+    def begin(self, T: int, offsets: torch.Tensor | None, new_mask: torch.Tensor | None) -> CacheStep:
+        """The layout of a forward of T inputs per row: position ids (``lengths[b]`` + offsets,
+        default 0..T-1) and the attention mask [B, T, span] (span: max(lengths) + T, or max_len
+        when ``static``); ``new_mask`` [B or 1, T, T] says which new inputs see which (default
+        causal), or, given over max(lengths) + T slots, also which of each row's past slots they
+        see (a draft tree grown level by level in the cache hides the other branches); slots
+        beyond a row's past and new inputs stay hidden."""
         dev = self.k.device
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         steps = torch.arange(T, device=dev)
-        self._slots = lengths + steps  # [B, T]
-        self._span = max(self.lengths) + T
-        if self._span > self.max_len:
-            raise ValueError(f"KV cache: {self._span} slots needed, {self.max_len} allocated")
-        self._groups = attention_groups([n + T for n in self.lengths])
+        need = max(self.lengths) + T
+        if need > self.max_len:
+            raise ValueError(f"KV cache: {need} slots needed, {self.max_len} allocated")
+        S = self.max_len if self.static else need
+        groups = [(0, self.batch_size, S)] if self.static else attention_groups([n + T for n in self.lengths])
         positions = lengths + (steps[None] if offsets is None else offsets)
-        span = torch.arange(self._span, device=dev)[None]  # [1, S]
+        span = torch.arange(S, device=dev)[None]  # [1, S]
         rel = span - lengths  # [B, S]: slot index among the row's new inputs
         inside = (rel >= 0) & (rel < T)
         if new_mask is not None and new_mask.shape[-1] != T:
-            if new_mask.shape[-1] != self._span:
-                raise ValueError(f"KV cache: attention mask over {new_mask.shape[-1]} slots, expected {T} or {self._span}")
-            return positions, new_mask & ((span < lengths) | inside)[:, None]
-        if new_mask is None:
-            new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
-        new = new_mask.expand(len(self.lengths), T, T).gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1))
-        mask = (span < lengths)[:, None] | (inside[:, None] & new)
-        return positions, mask
+            if new_mask.shape[-1] != need:
+                raise ValueError(f"KV cache: attention mask over {new_mask.shape[-1]} slots, expected {T} or {need}")
+            new_mask = F.pad(new_mask, (0, S - need))
+            mask = new_mask & ((span < lengths) | inside)[:, None]
+        else:
+            if new_mask is None:
+                new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
+            new = new_mask.expand(len(self.lengths), T, T).gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1))
+            mask = (span < lengths)[:, None] | (inside[:, None] & new)
+        return CacheStep(positions, mask, lengths + steps, groups)
 
-    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Write layer ``i``'s new K/V [B, H_kv, T, D] at the slots :meth:`begin` chose; return
-        the layer's K/V per row group: (first row, end row, K, V over the group's span)."""
-        index = self._slots[:, None, :, None].expand_as(k)
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Write layer ``i``'s new K/V [B, H_kv, T, D] at the slots ``step`` chose; return the
+        layer's K/V per row group: (first row, end row, K, V over the group's span)."""
+        index = step.slots[:, None, :, None].expand_as(k)
         self.k[i].scatter_(2, index, k)
         self.v[i].scatter_(2, index, v)
-        return [(lo, hi, self.k[i, lo:hi, :, :span], self.v[i, lo:hi, :, :span]) for lo, hi, span in self._groups]
+        return [(lo, hi, self.k[i, lo:hi, :, :span], self.v[i, lo:hi, :, :span]) for lo, hi, span in step.groups]
 
     def advance(self, T: int) -> None:
         self.lengths = [n + T for n in self.lengths]
@@ -406,9 +424,9 @@ class Target:
         return self.config
 
     # ------------------------------------------------------------------ forward
-    def new_cache(self, batch_size: int, max_len: int, ragged: bool = False) -> KVCache | RaggedKVCache:
+    def new_cache(self, batch_size: int, max_len: int, ragged: bool = False, static: bool = False) -> KVCache | RaggedKVCache:
         """An empty KV cache of at least ``max_len`` slots per row: one length for the batch, or
-        one per row (``ragged``, batched decoding).
+        one per row (``ragged``, batched decoding; ``static``: see :class:`RaggedKVCache`).
 
         The slots are rounded up to a multiple of CACHE_SLOT_MULTIPLE, so that decodings whose
         rooms differ by a few slots (a speculative decoder's holds its drafts) lay out their
@@ -418,9 +436,9 @@ class Target:
         shape = (self.num_layers, batch_size, self.config.num_key_value_heads, max_len, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if ragged:
+        if ragged or static:
             # zeros: a row's unwritten slots are masked, but NaN garbage would still poison SDPA
-            return RaggedKVCache(k.zero_(), v.zero_(), [0] * batch_size)
+            return RaggedKVCache(k.zero_(), v.zero_(), [0] * batch_size, static)
         return KVCache(k, v)
 
     @torch.no_grad()
@@ -450,18 +468,33 @@ class Target:
           unchanged and the cache gets nothing at that layer (self-speculation drafts so).
         """
         B, T = input_ids.shape
-        ragged = isinstance(cache, RaggedKVCache)
-        past = cache.length if cache is not None and not ragged else 0
+        if isinstance(cache, RaggedKVCache):
+            out = self.forward_step(input_ids, cache, cache.begin(T, position_ids, attn_mask), layers, logits, skip)
+            cache.advance(T)
+            return out
+        past = cache.length if cache is not None else 0
         mask = attn_mask
-        if ragged:
-            position_ids, mask = cache.begin(T, position_ids, attn_mask)
-        elif position_ids is None:
+        if position_ids is None:
             position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        if mask is None and past > 0 and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)[None]
+        out = self._run(input_ids, position_ids, mask, cache, None, past, layers, logits, skip)
+        if cache is not None:
+            cache.length = past + T
+        return out
+
+    @torch.no_grad()
+    def forward_step(self, input_ids: torch.Tensor, cache: RaggedKVCache, step: CacheStep, layers=(), logits: str | None = "all",
+                     skip=()) -> TargetOutput:
+        """:meth:`forward` with a ragged cache whose layout :meth:`RaggedKVCache.begin` settled,
+        leaving the lengths as they were: no host work, so with a static cache and fixed
+        tensors in ``step`` this is what a CUDA graph captures and replays."""
+        return self._run(input_ids, step.positions, step.mask, cache, step, 0, layers, logits, skip)
+
+    def _run(self, input_ids, position_ids, mask, cache, step, past, layers, logits, skip) -> TargetOutput:
         x = self._backbone.embed_tokens(input_ids)
         cos, sin = self._backbone.rotary_emb(x, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-        if mask is None and past > 0 and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)[None]
         if mask is not None:
             mask = mask[:, None]  # broadcast over heads
         wanted = set(layers)
@@ -470,16 +503,12 @@ class Target:
             hidden[0] = x
         for i, layer in enumerate(self._backbone.layers):
             if i not in skip:
-                x = self._layer(layer, x, cos, sin, cache, i, past, mask)
+                x = self._layer(layer, x, cos, sin, cache, step, i, past, mask)
             if i + 1 in wanted and i + 1 < self.num_layers:
                 hidden[i + 1] = x
         x = self._backbone.norm(x)
         if self.num_layers in wanted:
             hidden[self.num_layers] = x
-        if ragged:
-            cache.advance(T)
-        elif cache is not None:
-            cache.length = past + T
         out = None
         if logits == "all":
             (out,) = self._linear(-1, "lm_head", x)
@@ -524,7 +553,7 @@ class Target:
                 )
         return self._small_row_plan
 
-    def _layer(self, layer, x, cos, sin, cache, i, past, mask):
+    def _layer(self, layer, x, cos, sin, cache, step, i, past, mask):
         attn = layer.self_attn
         B, T, _ = x.shape
         h = layer.input_layernorm(x)
@@ -535,11 +564,11 @@ class Target:
         if self._qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if isinstance(cache, RaggedKVCache):
+        if step is not None:
             parts = [
                 F.scaled_dot_product_attention(q[lo:hi], kg, vg, attn_mask=mask[lo:hi, ..., : kg.shape[2]],
                                                scale=attn.scaling, enable_gqa=True)
-                for lo, hi, kg, vg in cache.update(i, k, v)
+                for lo, hi, kg, vg in cache.update(i, k, v, step)
             ]
             o = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:

@@ -1,7 +1,8 @@
 """The batched speculative decoder on a CUDA device (skipped without one): every family, loaded
 from a checkpoint onto the GPU as a user's would be, decodes greedy rows equal to plain batched
 decoding there with the verify step on the Triton kernels, and sampling at B > 1 keeps each
-row's distribution. The kernels themselves: ``test_kernels.py::test_triton_kernels_on_cuda``."""
+row's distribution; the target's forwards replayed as CUDA graphs decode the tokens eager
+forwards do. The kernels themselves: ``test_kernels.py::test_triton_kernels_on_cuda``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from draftlab.inference.decoder import Decoder, generate_plain, generate_plain_batch
+from draftlab.inference.graphs import GraphedTarget
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.proposer import Block, Chain, DynamicTree, load_proposer
 from draftlab.kernels import triton_verify
@@ -85,3 +87,35 @@ def test_batched_sampling_on_cuda_preserves_each_rows_distribution(tiny_llama, c
     assert calls["chain_verify_sampling"] >= n, calls
     for b, p in enumerate(ps):
         assert_follows_target(counts[b], tiny_llama, p, 2, temperature, top_k, n)
+
+
+@pytest.mark.parametrize("algorithm,shape", [(None, None), ("eagle3", Chain(3)), ("draft_lm", DynamicTree(3, 2, 8)),
+                                             ("ngram", Chain(3))])
+def test_cuda_graph_decoding_equals_eager(tiny_llama, cuda_llama, prompts, algorithm, shape, tmp_path):
+    """Real CUDA graphs over the static cache: the same tokens and accepted lengths as eager
+    forwards over the ragged cache, every step's target forward replayed (and the draft LM's),
+    none eager; a second decoding captures nothing new."""
+    graphed, drafter = GraphedTarget(cuda_llama), []
+
+    def graphed_proposer(path):
+        proposer = _proposer(algorithm, tiny_llama, cuda_llama, path)
+        proposer.use_graphs(lambda model: drafter.append(GraphedTarget(model)) or drafter[-1])
+        return proposer
+
+    if algorithm is None:
+        eager = generate_plain_batch(cuda_llama, prompts, N_NEW)
+        decode = lambda i: generate_plain_batch(graphed, prompts, N_NEW)  # noqa: E731
+    else:
+        eager = Decoder(cuda_llama, _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "a")).generate(prompts, N_NEW, shape)
+        decode = lambda i: Decoder(graphed, graphed_proposer(tmp_path / f"b{i}")).generate(prompts, N_NEW, shape)  # noqa: E731
+    captured = []
+    for i in range(2):
+        res = decode(i)
+        captured.append(graphed.stats["captured"])
+        assert [r.tokens for r in res.rows] == [r.tokens for r in eager.rows]
+        assert [r.accept_lengths for r in res.rows] == [r.accept_lengths for r in eager.rows]
+    assert graphed.stats["replayed"] >= 2 * eager.num_steps > 0 and not any(k.startswith("eager") for k in graphed.stats)
+    assert captured[1] == captured[0] > 0
+    assert len(drafter) == 2 * (algorithm == "draft_lm")  # the draft LM's own forwards replayed too
+    for g in drafter:
+        assert g.stats["replayed"] > 0 and not any(k.startswith("eager") for k in g.stats)

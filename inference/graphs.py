@@ -1,0 +1,161 @@
+"""Decoding forwards replayed as CUDA graphs.
+
+On a GPU a small target's decode forward is bound by launching its kernels, not by its weights
+(BENCHMARKS.md, "Verify kernels on a GPU"): every row count and draft length costs about the
+same. A CUDA graph launches a captured forward's kernels as one. A graph replays fixed
+addresses and shapes, so the forwards run over a *static* KV cache (every forward attends over
+all of the cache's slots, see :class:`~draftlab.models.target.RaggedKVCache`) that this module
+keeps across decodings, and each captured shape keeps its own input buffers.
+
+``GraphedTarget(target)`` stands wherever the decoder takes a target: each forward over a
+ragged cache settles its layout on the host as before (:meth:`RaggedKVCache.begin`), copies it
+into the buffers of the graph captured for its shape (rows, inputs, logits, layers read, layers
+skipped), replays the graph and hands back copies of its outputs. A shape seen for the first
+time is captured then; shapes past ``max_graphs`` or wider than ``max_inputs`` run eagerly on the
+same cache, as do shapes whose capture fails (an op that waits on the host), and
+:attr:`GraphedTarget.stats` counts each kind, which the report shows. Prefills (one prompt, any
+length) run eagerly.
+
+``mode="replay"`` runs the same code on any device without CUDA: a "replay" runs the captured
+function again from its buffers, so tests on CPU prove a replayed step reads nothing but what
+was copied in."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import weakref
+
+import torch
+
+from draftlab.errors import DraftlabError
+from draftlab.models.target import CACHE_SLOT_MULTIPLE, CacheStep, RaggedKVCache, TargetOutput
+
+
+@dataclass
+class _Graph:
+    ids: torch.Tensor
+    step: CacheStep  # its tensors are the graph's input buffers
+    replay: Callable[[], TargetOutput]
+
+
+class GraphedTarget:
+    """A :class:`~draftlab.models.target.Target` whose decoding forwards replay captured graphs;
+    every other attribute is the target's."""
+
+    def __init__(self, target, mode: str = "cuda", max_graphs: int = 64, max_inputs: int = 64, min_len: int = 1024):
+        if mode not in ("cuda", "replay"):
+            raise ValueError(f"GraphedTarget: mode must be 'cuda' or 'replay', not {mode!r}")
+        if mode == "cuda" and target.device.type != "cuda":
+            raise DraftlabError(f"CUDA graphs need the target on a CUDA device, not {target.device}")
+        self.target, self.mode = target, mode
+        self.max_graphs, self.max_inputs, self.min_len = max_graphs, max_inputs, min_len
+        self.stats: Counter = Counter()  # replayed, captured, eager: <why>
+        self._buffers: list[tuple[RaggedKVCache, Callable]] = []  # (buffer, its current user's weakref)
+        self._graphs: dict[tuple, _Graph] = {}
+        self._failed: dict[tuple, str] = {}  # shapes whose capture failed: eager, and why
+        self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def new_cache(self, batch_size: int, max_len: int, ragged: bool = False, static: bool = False):
+        """A ragged cache is a static view of one of the buffers kept across decodings: a free
+        one that holds enough rows and slots, else a new one (a buffer is in use while the cache
+        last made from it is alive: decodings stepped in lockstep each hold one). Others are the
+        target's own."""
+        if not (ragged or static):
+            return self.target.new_cache(batch_size, max_len)
+        free = [i for i, (buf, user) in enumerate(self._buffers) if user() is None]
+        fits = [i for i in free if batch_size <= self._buffers[i][0].batch_size and max_len <= self._buffers[i][0].max_len]
+        if fits:
+            i = fits[0]
+        else:  # grow a free buffer (its graphs go with it) or add one
+            i = free[0] if free else len(self._buffers)
+            old = self._buffers[i][0] if free else None
+            if old is not None:
+                self._graphs = {k: g for k, g in self._graphs.items() if k[-2] != old.k.data_ptr()}
+                self._failed = {k: w for k, w in self._failed.items() if k[-2] != old.k.data_ptr()}
+            rows = max(batch_size, old.batch_size if old else 0)
+            slots = -(-max(max_len, self.min_len, old.max_len if old else 0) // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
+            buf = self.target.new_cache(rows, slots, static=True)
+            self._buffers[i:i + 1] = [(buf, lambda: None)]
+            self.stats["buffers"] += 1
+        buf = self._buffers[i][0]
+        cache = RaggedKVCache(buf.k[:, :batch_size], buf.v[:, :batch_size], [0] * batch_size, static=True)
+        self._buffers[i] = (buf, weakref.ref(cache))
+        return cache
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, layers=(), cache=None, position_ids=None, attn_mask=None,
+                logits: str | None = "all", skip=()) -> TargetOutput:
+        if not (isinstance(cache, RaggedKVCache) and cache.static):
+            return self.target.forward(input_ids, layers, cache, position_ids, attn_mask, logits, skip)
+        B, T = input_ids.shape
+        step = cache.begin(T, position_ids, attn_mask)
+        key = (B, T, logits, tuple(sorted(layers)), frozenset(skip), cache.k.data_ptr(), cache.k.stride())
+        graph, why = self._graphs.get(key), self._failed.get(key)
+        if graph is None and why is None:
+            why = "wider than max_inputs" if T > self.max_inputs else "past max_graphs" if len(self._graphs) >= self.max_graphs else None
+            if why is None:
+                try:
+                    graph = self._graphs[key] = self._capture(input_ids, cache, step, tuple(layers), logits, tuple(skip))
+                    self.stats["captured"] += 1
+                except RuntimeError as e:  # an op that syncs with the host (e.g. a dynamic RoPE's max position)
+                    self._failed[key] = why = f"capture failed ({str(e).splitlines()[0][:80]})"
+        if graph is None:
+            self.stats[f"eager: {why}"] += 1
+            out = self.target.forward_step(input_ids, cache, step, layers, logits, skip)
+            cache.advance(T)
+            return out
+        graph.ids.copy_(input_ids)
+        for name in ("positions", "mask", "slots"):
+            getattr(graph.step, name).copy_(getattr(step, name))
+        out = graph.replay()
+        self.stats["replayed"] += 1
+        cache.advance(T)
+        return TargetOutput(None if out.logits is None else out.logits.clone(), {i: h.clone() for i, h in out.hidden.items()})
+
+    __call__ = forward
+
+    def _capture(self, input_ids, cache: RaggedKVCache, step: CacheStep, layers, logits, skip) -> _Graph:
+        """Buffers for this shape and the forward captured over them. The cache is bound by its
+        tensors (a later decoding's view of the same buffer has the same addresses), not by the
+        object, whose rows a decoding narrows."""
+        ids = torch.empty_like(input_ids)
+        fixed = CacheStep(torch.empty_like(step.positions), torch.empty(step.mask.shape, dtype=torch.bool, device=step.mask.device),
+                          torch.empty_like(step.slots), step.groups)
+        bound = RaggedKVCache(cache.k, cache.v, list(cache.lengths), static=True)
+
+        def body() -> TargetOutput:
+            return self.target.forward_step(ids, bound, fixed, layers, logits, skip)
+
+        if self.mode == "replay":
+            return _Graph(ids, fixed, body)
+        ids.copy_(input_ids)
+        for name in ("positions", "mask", "slots"):
+            getattr(fixed, name).copy_(getattr(step, name))
+        # warm-up on a side stream (lazy library set-up happens outside the capture), twice as
+        # vLLM's runner does: the same K/V into the same slots the replay then writes again
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = body()
+
+        def replay() -> TargetOutput:
+            graph.replay()
+            return out  # the graph's own output tensors: forward copies them before the next replay
+
+        return _Graph(ids, fixed, replay)
+
+    def report(self) -> dict:
+        """What ran how, for a decoding report: forwards replayed, shapes captured, forwards run
+        eagerly by reason, the cache buffers (rows x slots)."""
+        return {"mode": self.mode, **dict(self.stats), "caches": [[b.batch_size, b.max_len] for b, _ in self._buffers]}
