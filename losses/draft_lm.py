@@ -52,6 +52,10 @@ class DraftLMLoss(BaseModel):
     chunk: int = Field(
         256, ge=1, description="positions whose V-wide logits are held at once: memory ~ a few * chunk * V * 4 bytes"
     )
+    on_policy: float = Field(
+        0.0, ge=0, le=1, description="share of each micro-batch's sequences whose answer the draft samples itself, scored "
+        "by the target (DistillSpec's on-policy data; needs capture.mode online)"
+    )
 
     @field_validator("ce_weight")
     @classmethod

@@ -18,6 +18,7 @@ position costs H floats instead of V.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Annotated, Any, Literal
 
@@ -205,6 +206,7 @@ class DraftLM(Drafter):
 
         self.lm = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
         self.init, self.target_layers, self.num_target_layers = init, list(target_layers), num_target_layers
+        self._sampler = None  # on-policy sampling's copy of self.lm (sample), made on first use
         # Tied embeddings are one tensor: the checkpoint holds it once, under the embedding's name
         # (safetensors refuses shared storage); loading puts it back under both.
         if self.tied:
@@ -286,6 +288,66 @@ class DraftLM(Drafter):
                                      shift_left(ids, 1)[counted], cfg)
         return loss, {"acc": [metrics["acc"]], "accept": metrics["accept"]}
 
+    # ---- on-policy data (DistillSpec) -------------------------------------------------------
+    @classmethod
+    def rewrites_batches(cls, loss_cfg: DraftLMLoss) -> str | None:
+        return "loss.on_policy" if loss_cfg.on_policy else None
+
+    @torch.no_grad()
+    def rewrite_batch(self, batch: dict, cfg: DraftLMLoss, seed: int) -> dict:
+        """Each row with an answer is picked with probability ``cfg.on_policy``; a picked row keeps
+        its prompt (the tokens before its first counted token) and gets, in place of its answer,
+        a continuation the draft samples (temperature 1) up to the row's own length or an
+        end-of-sequence token. The target then scores those tokens as it scores the data's."""
+        ids, counted, live = batch["input_ids"], batch["loss_mask"].bool(), batch["attention_mask"].bool()
+        gen = torch.Generator(device=ids.device).manual_seed(seed)
+        first = counted.int().argmax(1)  # the first answer token (0 when a row has none)
+        picked = (torch.rand(ids.shape[0], generator=gen, device=ids.device) < cfg.on_policy) & (first > 0)
+        rows = picked.nonzero().flatten().tolist()
+        if not rows:
+            return batch
+        starts = [int(first[b]) for b in rows]
+        budgets = [int(live[b].sum()) - s for b, s in zip(rows, starts)]
+        answers = self.sample([ids[b, :s] for b, s in zip(rows, starts)], budgets, gen)
+        out = {k: v.clone() for k, v in batch.items()}
+        for b, s, a in zip(rows, starts, answers):
+            n = s + a.numel()
+            out["input_ids"][b, s:n], out["input_ids"][b, n:] = a, 0  # padding: seen by nothing (right-padded, causal)
+            out["loss_mask"][b], out["attention_mask"][b] = False, 0
+            out["loss_mask"][b, s:n], out["attention_mask"][b, :n] = True, 1
+        return out
+
+    def sample(self, prompts: list[torch.Tensor], budgets: list[int], gen: torch.Generator) -> list[torch.Tensor]:
+        """Continue each prompt by sampling the draft at temperature 1, for its budget of tokens
+        or through its first end-of-sequence token. Runs a copy of the draft as a
+        :class:`~draftlab.models.target.Target` (fused linears, a ragged KV cache; several times
+        faster per token than HF's forward), its weights refreshed from the trained ones."""
+        from draftlab.models.target import Target
+
+        if self._sampler is None:
+            self._sampler = Target(copy.deepcopy(self.lm), None, {"name": self.algorithm})
+        lm = self._sampler
+        lm.reload(self.lm.state_dict())
+        eos = self.lm.config.eos_token_id
+        dev = prompts[0].device
+        stops = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos], device=dev)
+        cache = lm.new_cache(len(prompts), max(p.numel() for p in prompts) + max(budgets) + 1, ragged=True)
+        last = []
+        for r, p in enumerate(prompts):  # each prompt alone into its cache row: no padding
+            last.append(lm(p[None], cache=cache.row(r), logits="last").logits[0, -1])
+            cache.lengths[r] = p.numel()
+        logits = torch.stack(last)
+        budget = torch.tensor(budgets, device=dev)
+        done, tokens = budget <= 0, []
+        for _ in range(max(budgets)):
+            nxt = torch.multinomial(logits.float().softmax(-1), 1, generator=gen)[:, 0]
+            tokens.append(torch.where(done, -1, nxt))
+            done = done | torch.isin(nxt, stops) | (len(tokens) >= budget)
+            if bool(done.all()):
+                break
+            logits = lm(nxt[:, None], cache=cache, logits="last").logits[:, -1]
+        drawn = torch.stack(tokens, 1)
+        return [row[row >= 0] for row in drawn]
 
 def _drop_tied_head(module, state_dict, prefix, local_metadata):
     state_dict.pop(prefix + "lm.lm_head.weight", None)

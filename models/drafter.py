@@ -467,6 +467,21 @@ class Drafter(nn.Module):
         return {}
 
     # ---- training ------------------------------------------------------------------------
+    @classmethod
+    def rewrites_batches(cls, loss_cfg: BaseModel) -> str | None:
+        """The recipe field (e.g. ``loss.on_policy``) that makes :meth:`rewrite_batch` replace
+        the data's sequences, or None (the default: it never does). Such a run takes the
+        target's features online: features kept from the data's tokens would not fit."""
+        return None
+
+    def rewrite_batch(self, batch: dict, loss_cfg: BaseModel, seed: int) -> dict:
+        """The micro-batch to train on instead of ``batch`` (``input_ids``, ``loss_mask``,
+        ``attention_mask`` [B, T], right-padded), before the target's features are taken: e.g.
+        sequences the drafter generates itself (on-policy distillation). ``seed`` is fixed by
+        the step and micro-batch, so a resumed run trains on what an uninterrupted one would.
+        Called only when :meth:`rewrites_batches` names a field."""
+        return batch
+
     def forward(self, batch: dict, hidden: dict[int, torch.Tensor], loss_cfg: BaseModel):
         # DDP/FSDP synchronise through forward(), so training goes through it.
         return self.training_loss(batch, hidden, loss_cfg)

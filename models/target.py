@@ -534,6 +534,15 @@ class Target:
         y = self._row_plan()(x, fused.product, lambda v: self._packed[i][name](v))
         return y.split(fused.sizes, dim=-1)
 
+    @torch.no_grad()
+    def reload(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """New weights of the same shapes (a draft sampling while it trains): into the model,
+        whose fused linears view them, and into fresh packed copies; the measured row plan
+        stays (it depends on shapes, not values)."""
+        self.model.load_state_dict(state_dict)
+        if self._packed is not None:
+            self._packed = [{name: PackedLinear(f.weight, f.bias) for name, f in group.items()} for group in self._fused]
+
     @property
     def row_plan(self) -> RowPlan | None:
         """How this target's small-row products run on this machine; None until a decode step

@@ -1,6 +1,7 @@
 """The draft_lm family's model and losses on the tiny random targets: construction from the
 target's layers or at random, its metadata schema, every divergence (chunked, top-k with the rest
-mass), and a short run of the shared trainer whose checkpoint loads back."""
+mass), on-policy batches (the draft's own samples), and a short run of the shared trainer whose
+checkpoint loads back and resumes exactly after a kill."""
 
 from __future__ import annotations
 
@@ -293,6 +294,68 @@ def test_loss_counts_the_positions_whose_next_token_is_an_assistant_token(tiny_l
     torch.testing.assert_close(loss, want.mean(), rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------------------- on-policy data
+def _prompted_batch(t):
+    """Three right-padded rows: prompts of 3, 6 and 4 tokens, answers of 13, 5 and 0 tokens."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, t.vocab_size, (3, 16), generator=g)
+    mask, attn = torch.zeros(3, 16, dtype=torch.bool), torch.zeros(3, 16, dtype=torch.long)
+    for b, (prompt, n) in enumerate([(3, 16), (6, 11), (4, 4)]):
+        mask[b, prompt:n], attn[b, :n] = True, 1
+        ids[b, n:] = 0
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def test_on_policy_rows_are_the_drafts_own_samples(tiny_llama):
+    """loss.on_policy 1: each row with an answer keeps its prompt and gets, as its answer, the
+    draft's own samples: the same tokens as sampling each row with full, uncached forwards and the
+    same random draws; the answer is what counts, no row grows, the seed decides the samples."""
+    t = tiny_llama
+    torch.manual_seed(0)
+    d = DraftLM.build(DraftLMConfig(num_layers=2), t)
+    d.lm.config.eos_token_id = None  # a tiny random model: every answer runs to its budget
+    batch, cfg = _prompted_batch(t), DraftLMLoss(on_policy=1.0)
+    assert DraftLM.rewrites_batches(cfg) == "loss.on_policy" and DraftLM.rewrites_batches(DraftLMLoss()) is None
+    out = d.rewrite_batch(batch, cfg, seed=11)
+    assert torch.equal(d.rewrite_batch(batch, cfg, seed=11)["input_ids"], out["input_ids"])
+    assert not torch.equal(d.rewrite_batch(batch, cfg, seed=12)["input_ids"], out["input_ids"])
+    # the reference: one full forward per row and step, one multinomial over the rows per step
+    g = torch.Generator().manual_seed(11)
+    torch.rand(3, generator=g)
+    seqs, budgets = [batch["input_ids"][0, :3], batch["input_ids"][1, :6]], [13, 5]
+    for step in range(13):
+        with torch.no_grad():
+            logits = torch.stack([d.lm(input_ids=s[None]).logits[0, -1] for s in seqs])
+        nxt = torch.multinomial(logits.float().softmax(-1), 1, generator=g)[:, 0]
+        seqs = [torch.cat([s, n[None]]) if step < b else s for s, n, b in zip(seqs, nxt, budgets)]
+    for b, (s, n) in enumerate([(3, 16), (6, 11)]):
+        assert torch.equal(out["input_ids"][b, :n], seqs[b])
+        assert out["loss_mask"][b].nonzero().flatten().tolist() == list(range(s, n))
+        assert out["attention_mask"][b].sum() == n
+    for k in batch:  # the row without an answer is left as it was
+        assert torch.equal(out[k][2], batch[k][2])
+
+
+def test_on_policy_answers_stop_at_eos(tiny_llama):
+    t = tiny_llama
+    torch.manual_seed(0)
+    d = DraftLM.build(DraftLMConfig(num_layers=2), t)
+    d.lm.config.eos_token_id = None
+    free = d.rewrite_batch(_prompted_batch(t), DraftLMLoss(on_policy=1.0), seed=11)
+    eos = int(free["input_ids"][0, 5])  # the row's third sampled token
+    d.lm.config.eos_token_id = eos
+    out = d.rewrite_batch(_prompted_batch(t), DraftLMLoss(on_policy=1.0), seed=11)
+    first = free["input_ids"][0, 3:].tolist().index(eos) + 3
+    assert out["attention_mask"][0].sum() == first + 1 and out["loss_mask"][0, first] and not out["loss_mask"][0, first + 1:].any()
+
+
+def test_on_policy_needs_online_capture(tmp_path, tiny_target_dirs):
+    res = _train(_recipe(tmp_path, tiny_target_dirs["llama"], on_policy=0.5), "capture.mode=memory")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert "loss.on_policy" in line and "capture.mode must be online, not memory" in line, res.stderr
+
+
 # ---------------------------------------------------------------------------- the entry point
 def _recipe(tmp_path, target_dir, name="run", **loss):
     data = write_chat(tmp_path / "chat.jsonl", 24, assistant_words=20)
@@ -346,9 +409,10 @@ def test_unknown_loss_kind_is_a_one_line_error(tmp_path, tiny_target_dirs):
 
 
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dirs):
-    """Tied embeddings (stored once) and the optimizer state come back exactly after a SIGKILL."""
+    """Tied embeddings (stored once) and the optimizer state come back exactly after a SIGKILL,
+    with half of the sequences the draft's own samples (on-policy), drawn again alike."""
     target_dir = tiny_target_dirs["qwen2"]
-    runs = {name: _recipe(tmp_path, target_dir, name, kind="jsd") for name in ("straight", "killed")}
+    runs = {name: _recipe(tmp_path, target_dir, name, kind="jsd", on_policy=0.5) for name in ("straight", "killed")}
     for name in runs:
         edit = yaml.safe_load(runs[name].read_text())
         edit["train"]["checkpoint_every"], edit["eval"] = 2, {"enabled": False}

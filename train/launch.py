@@ -39,6 +39,9 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
     if not algo.trains_weights:  # nothing to train by gradient steps (a layer-set search): the family's own run
         return algo.fit(recipe)
+    if (field := algo.rewrites_batches(loss_cfg)) and recipe.capture.mode != "online":
+        raise DraftlabError(f"{field}: the drafter generates its own training sequences, so capture.mode must be online, "
+                            f"not {recipe.capture.mode}")
 
     accelerator = make_accelerator(recipe.train.precision)
     main = accelerator.is_main_process

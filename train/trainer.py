@@ -77,6 +77,11 @@ class Trainer:
         self.model, self.opt = backends.prepare(accelerator, t, drafter, opt)
         self.precision = backends.precision(accelerator, t)
         self.opt_state = optimizer_state.for_run(accelerator, self.model, self.opt, self.sched)
+        self.rewrites = drafter.rewrites_batches(loss_cfg)
+        if self.rewrites and not self.opt_state.replicated:
+            # each rank would generate a different number of steps, each gathering sharded weights: a hang
+            raise DraftlabError(f"{self.rewrites}: the drafter generates with its whole weights, which FSDP and ZeRO-3 shard: use DDP or ZeRO-1/2")
+        self.drafter = drafter
         self.step = 0
         self.elapsed = 0.0  # training seconds over all resumed runs
         self.best_tau = None
@@ -96,6 +101,11 @@ class Trainer:
             for b in mine[idx:]:
                 yield epoch, b
             epoch, idx = epoch + 1, 0
+
+    def micro_batch_seed(self, m: int) -> int:
+        """A seed of the recipe's seed, the step, micro-batch ``m`` of it and the rank alone."""
+        t = self.recipe.train
+        return ((self.recipe.seed * 1_000_003 + self.step) * t.grad_accum + m) * self.world + self.rank
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, metrics: dict) -> Path:
@@ -236,10 +246,12 @@ class Trainer:
                 t0 = time.perf_counter()
                 tokens = 0
                 agg: dict = {}
-                for _ in range(t.grad_accum):
+                for m in range(t.grad_accum):
                     epoch, indices = next(stream)
                     batch = collate([self.samples[i] for i in indices], self.pad_id)
                     batch = {k: v.to(self.target.device) for k, v in batch.items()}
+                    if self.rewrites:
+                        batch = self.drafter.rewrite_batch(batch, self.loss_cfg, self.micro_batch_seed(m))
                     hidden, batch = self.feature_source.features(indices, batch)
                     # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
                     with self.accelerator.accumulate(self.model):
