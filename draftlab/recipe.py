@@ -107,6 +107,9 @@ class EvalSpec(Strict):
         None, description="also measure speedup by batch size on the same prompts, e.g. [1, 4, 16] (needs baseline)"
     )
     adaptive: bool = Field(False, description="with batch_sizes: choose the chain's or block's draft length per step")
+    cuda_graphs: bool = Field(
+        False, description="replay the target's (and a draft LM's) decoding forwards as CUDA graphs: plain and speculative alike (CUDA only)"
+    )
 
     @field_validator("batch_sizes")
     @classmethod

@@ -22,11 +22,10 @@ was copied in."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
-
-import weakref
 
 import torch
 

@@ -183,3 +183,21 @@ def test_evaluate_with_cuda_graphs_reports_what_replayed(tiny_llama, prompts, mo
     assert g.keys() == {"target", "drafter"} and all(g[m]["replayed"] > 0 for m in g)
     assert report["greedy_match"] == f"{len(prompts)}/{len(prompts)}"
     assert "CUDA graphs (prefills run eagerly): target: " in markdown_table(report)
+
+
+def test_eval_cuda_graphs_on_cpu_is_a_one_line_error_before_training(tiny_target_dirs, tmp_path, capsys):
+    import yaml
+
+    from draftlab.cli import main
+    from tiny import write_chat
+
+    recipe = {"algorithm": "draft_lm", "output_dir": str(tmp_path / "run"), "target": {"model": str(tiny_target_dirs["llama"])},
+              "data": {"source": str(write_chat(tmp_path / "chat.jsonl", 8)), "max_length": 64, "heldout": 2},
+              "drafter": {"num_layers": 1}, "capture": {"mode": "online"}, "train": {"max_steps": 1, "batch_tokens": 256},
+              "eval": {"num_prompts": 1, "max_new_tokens": 4, "method": "chain", "k": 1, "cuda_graphs": True}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(path)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "eval.cuda_graphs: CUDA graphs need the target on a CUDA device" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "run" / "checkpoints").exists()

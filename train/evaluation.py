@@ -14,9 +14,13 @@ class CheckpointEvaluator:
 
         from draftlab.inference.proposer import PROPOSERS, check_shape
 
+        from draftlab.errors import DraftlabError
+
         self.recipe, self.target = recipe, target
         self.dir = Path(recipe.output_dir) / "eval"
         e = recipe.eval
+        if e.cuda_graphs and target.device.type != "cuda":
+            raise DraftlabError(f"eval.cuda_graphs: CUDA graphs need the target on a CUDA device, not {target.device}")
         # a shape the family cannot draft fails now, not after the first checkpoint
         proposer = PROPOSERS.get(recipe.algorithm, "algorithm")
         check_shape(e.shape(), proposer.shapes, recipe.algorithm)
@@ -63,6 +67,7 @@ class CheckpointEvaluator:
             baseline=e.baseline,
             data=e.data,
             label=f"step {step}",
+            cuda_graphs=e.cuda_graphs,
         )
         if e.batch_sizes:
             from draftlab.inference.batch_eval import evaluate_batches
@@ -70,7 +75,7 @@ class CheckpointEvaluator:
             report["batches"] = evaluate_batches(
                 self.target, proposer, self.prompts, e.shape(), e.batch_sizes,
                 max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=self.recipe.seed,
-                eos_token_id=self.target.tokenizer.eos_token_id, adaptive=e.adaptive,
+                eos_token_id=self.target.tokenizer.eos_token_id, adaptive=e.adaptive, cuda_graphs=e.cuda_graphs,
             )
         report["step"] = step
         report["checkpoint"] = str(checkpoint_dir)
