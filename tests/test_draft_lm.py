@@ -424,3 +424,20 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dirs):
     assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
     a, b = (load_file(ckpt.step_dir(tmp_path / name, 4) / ckpt.WEIGHTS) for name in runs)
     assert a.keys() == b.keys() and "lm.lm_head.weight" not in a and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_shards_the_draft_lms_own_layers_and_refuses_on_policy(tmp_path, tiny_target_dirs):
+    """The shipped FSDP2 config names draftlab's DecoderLayer; a draft LM's layers are HF's
+    (LlamaDecoderLayer): it trains sharded over two gloo processes all the same. On-policy
+    sampling, which needs whole weights on each rank, is a one-line error there."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes/accelerate/fsdp_cpu.yaml"),
+              "--main_process_port", "29650", "train/draft_lm.py", str(_recipe(tmp_path, tiny_target_dirs["llama"]))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([*launch, "eval.enabled=false"], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "distributed: FSDP, world size 2, rank 0 owns 50% of the drafter weights" in res.stdout
+    assert ckpt.list_checkpoints(tmp_path / "run")[-1].name == "step-0000004"
+    res = subprocess.run([*launch, "output_dir=" + str(tmp_path / "op"), "loss.on_policy=0.5"], cwd=REPO, capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode != 0 and "[rank0]: Traceback" not in res.stderr
+    assert "error: loss.on_policy: the drafter generates with its whole weights, which FSDP and ZeRO-3 shard" in res.stderr

@@ -84,7 +84,26 @@ def prepare(accelerator, train, drafter, optimizer):
     if accelerator.is_fsdp2 and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
         raise DraftlabError("Accelerate config fsdp_cpu_ram_efficient_loading must be false: Accelerate's FSDP2 "
                             "loader then takes the drafter's buffers (d2t, t2d) for sharded parameters and fails")
+    if accelerator.is_fsdp2:
+        _wrap_decoder_layers(accelerator.state.fsdp_plugin, drafter)
     return accelerator.prepare(drafter, optimizer)
+
+
+def _wrap_decoder_layers(plugin, drafter) -> None:
+    """One Accelerate config serves every family: where its fsdp_transformer_layer_cls_to_wrap names a
+    class the drafter lacks (the shipped configs name draftlab's DecoderLayer; a draft LM's layers are
+    HF's LlamaDecoderLayer, Qwen2DecoderLayer, ...), wrap the drafter's own decoder layers instead."""
+    names = plugin.transformer_cls_names_to_wrap
+    if not names:
+        return
+    present = {type(m).__name__ for m in drafter.modules()}
+    if set(names) <= present:
+        return
+    layers = sorted(n for n in present if n.endswith("DecoderLayer"))
+    if not layers:
+        raise DraftlabError(f"Accelerate config fsdp_transformer_layer_cls_to_wrap: {', '.join(names)} is not a class of "
+                            f"the {type(drafter).__name__} drafter, which has no decoder layers to wrap instead")
+    plugin.transformer_cls_names_to_wrap = layers
 
 
 def _reconcile_deepspeed_config(cfg: dict, train) -> None:
