@@ -5,7 +5,8 @@ none of them imports the trainer. A checkpoint is a directory::
 
     model.safetensors     drafter weights (frozen target-owned tensors excluded)
     draftlab.json         format, algorithm, drafter meta, target identity, recipe, step, metrics, precision
-    trainer/              optimizer, scheduler and RNG state (written and read by ``train/``)
+    trainer/              optimizer and scheduler (``train/optimizer_state.py``), RNG per rank,
+                          state.json (step, run facts: :func:`read_state`)
 
 written to a temporary sibling and renamed into place (``draftlab.atomic``), so a kill never
 leaves half a checkpoint.
@@ -20,6 +21,7 @@ output: a checkpoint it refuses is never written, and one it accepts builds a dr
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ from draftlab.errors import DraftlabError
 FORMAT = "draftlab-checkpoint/1"
 META = "draftlab.json"
 WEIGHTS = "model.safetensors"
+STATE = "state.json"  # in trainer/: where a resumed run goes on from
 
 
 def check_drafter(algorithm: str, drafter_meta, target, where, state: dict | None = None, state_where=None):
@@ -175,3 +178,39 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+
+
+# state.json fields: name -> (accepted types, required); bool is no number here
+_STATE_FIELDS = {
+    "step": ((int,), True),
+    "elapsed_s": ((int, float), True),
+    "world_size": ((int,), True),
+    "fingerprint": ((str,), True),
+    "optimizer_layout": ((str,), False),  # absent in checkpoints from before DeepSpeed/FSDP support: torch
+    "best_tau": ((int, float, type(None)), False),
+    "precision": ((str,), False),  # absent in checkpoints from before train.precision: not checked
+    "skipped_nonfinite": ((int,), False),  # absent in checkpoints from before train.skip_nonfinite: none skipped
+}
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's ``trainer/state.json``, every field of its type (a one-line error naming the file)."""
+    state = read_json(path)
+    for name, (types, required) in _STATE_FIELDS.items():
+        if name not in state:
+            if required:
+                raise DraftlabError(f"{path}: field '{name}' is missing (not a draftlab trainer state)")
+            continue
+        v = state[name]
+        if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, float) and not math.isfinite(v)):
+            want = " or ".join("null" if t is type(None) else {"int": "an integer", "float": "a number", "str": "a string"}[t.__name__]
+                               for t in types)
+            raise DraftlabError(f"{path}: field '{name}' must be {want}, got {json.dumps(v)[:40]}")
+    for name in ("step", "elapsed_s", "skipped_nonfinite"):
+        if state.get(name, 0) < 0:
+            raise DraftlabError(f"{path}: field '{name}' must not be negative, got {state[name]}")
+    if state["world_size"] < 1:
+        raise DraftlabError(f"{path}: field 'world_size' must be at least 1, got {state['world_size']}")
+    if state.get("precision", "fp32") not in ("fp32", "bf16"):
+        raise DraftlabError(f"{path}: field 'precision' must be \"fp32\" or \"bf16\", got {json.dumps(state['precision'])[:40]}")
+    return state

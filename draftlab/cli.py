@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The console script: ``main()``'s return code becomes the exit status (through
-    :func:`draftlab.train.launch.exit_process`, which multi-process training runs need)."""
-    from draftlab.train.launch import exit_process
+    :func:`draftlab.process_exit.exit_process`, which multi-process training runs need)."""
+    from draftlab.process_exit import exit_process
 
     exit_process(main())
 

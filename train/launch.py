@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.process_exit import exit_process
 
 
 def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ...] = ()) -> dict:
@@ -97,22 +97,3 @@ def entry_point(prog: str, algorithms: tuple[str, ...], description: str) -> Non
         print(f"{prog}: error: {e}", file=sys.stderr)
         rc = 2
     exit_process(rc)
-
-
-def exit_process(rc: int) -> None:
-    """End a training entry point's process with ``rc``.
-
-    A process of a multi-process run (torchrun / ``accelerate launch`` set ``WORLD_SIZE``; DeepSpeed)
-    leaves with ``os._exit`` once its output is flushed, skipping interpreter finalisation and C++
-    static destructors: that teardown races gloo's C++ worker threads and can abort a rank (SIGABRT,
-    "terminate called without an active exception", PyTorch issue #190489) after the run is done,
-    which makes the launcher fail the job. Nothing is lost: every checkpoint is renamed into place
-    and the metric logger closed by then."""
-    from accelerate.utils import parse_flag_from_env
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.environ.get("WORLD_SIZE", "1") != "1" or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        logging.shutdown()
-        os._exit(rc)
-    sys.exit(rc)

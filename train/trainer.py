@@ -14,7 +14,6 @@ relaunched with the same command ends with the same weights as an uninterrupted 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import shutil
 import time
@@ -139,7 +138,7 @@ class Trainer:
                                                 precision=self.precision)
                     ckpt.save_weights(staging, weights, meta)
                     write_json(
-                        trainer_dir / STATE,
+                        trainer_dir / ckpt.STATE,
                         {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
                          "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau, "precision": self.precision["train"]},
                     )
@@ -169,10 +168,10 @@ class Trainer:
         if not found:
             return
         last = found[-1]
-        state_file = last / "trainer" / STATE
+        state_file = last / "trainer" / ckpt.STATE
         if not state_file.is_file():
             raise DraftlabError(f"{last}: checkpoint has no trainer state (cannot resume); use a new output_dir")
-        state = read_state(state_file)
+        state = ckpt.read_state(state_file)
         dir_step = _dir_step(last)
         if dir_step is not None and state["step"] != dir_step:
             raise DraftlabError(f"{state_file}: step {state['step']} does not match its checkpoint directory {last.name}")
@@ -344,42 +343,6 @@ class Trainer:
                         self.mark_best(path, report["tau"])
             failures.raise_if_any()  # also the barrier: the other ranks wait for the evaluation
         self.prune()
-
-
-STATE = "state.json"
-# state.json fields: name -> (accepted types, required); bool is no number here
-_STATE_FIELDS = {
-    "step": ((int,), True),
-    "elapsed_s": ((int, float), True),
-    "world_size": ((int,), True),
-    "fingerprint": ((str,), True),
-    "optimizer_layout": ((str,), False),  # absent in checkpoints from before DeepSpeed/FSDP support: torch
-    "best_tau": ((int, float, type(None)), False),
-    "precision": ((str,), False),  # absent in checkpoints from before train.precision: not checked
-}
-
-
-def read_state(path: Path) -> dict:
-    """A checkpoint's ``trainer/state.json``, every field of its type (a one-line error naming the file)."""
-    state = ckpt.read_json(path)
-    for name, (types, required) in _STATE_FIELDS.items():
-        if name not in state:
-            if required:
-                raise DraftlabError(f"{path}: field '{name}' is missing (not a draftlab trainer state)")
-            continue
-        v = state[name]
-        if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, float) and not math.isfinite(v)):
-            want = " or ".join("null" if t is type(None) else {"int": "an integer", "float": "a number", "str": "a string"}[t.__name__]
-                               for t in types)
-            raise DraftlabError(f"{path}: field '{name}' must be {want}, got {json.dumps(v)[:40]}")
-    for name in ("step", "elapsed_s"):
-        if state[name] < 0:
-            raise DraftlabError(f"{path}: field '{name}' must not be negative, got {state[name]}")
-    if state["world_size"] < 1:
-        raise DraftlabError(f"{path}: field 'world_size' must be at least 1, got {state['world_size']}")
-    if state.get("precision", "fp32") not in ("fp32", "bf16"):
-        raise DraftlabError(f"{path}: field 'precision' must be \"fp32\" or \"bf16\", got {json.dumps(state['precision'])[:40]}")
-    return state
 
 
 def _process_age() -> float:
