@@ -5,3 +5,13 @@ The top-level folders of the repository are subpackages of this namespace
 """
 
 __version__ = "0.1.0"
+
+from pathlib import Path as _Path
+
+# Run from a checkout's root (``python -m pytest``, ``python -c ...``), Python imports this folder
+# before any installed copy, and it holds none of the subpackages: pyproject.toml maps them from
+# the top-level folders, so search those here too (an installed copy has them beside this file).
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "kernels" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
+del _Path, _checkout

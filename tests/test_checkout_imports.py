@@ -1,0 +1,62 @@
+"""The checkout imports itself. Run from the repository root, Python finds the checkout's draftlab/
+folder before any installed copy (the current directory comes first on sys.path), and that folder
+holds none of the subpackages pyproject.toml maps from the top-level folders: they must be found
+from it with a regular (wheel) install as well as with the editable one."""
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IMPORTS = "import draftlab.kernels, draftlab.inference.decoder; print(draftlab.kernels.__file__); print(draftlab.inference.decoder.__file__)"
+
+
+def _expect_checkout_files(res):
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == [str(REPO / "kernels" / "__init__.py"), str(REPO / "inference" / "decoder.py")]
+
+
+def test_the_root_imports_the_checkout_without_the_editable_finder():
+    # what a regular install leaves behind: no editable-install finder on sys.meta_path, so only
+    # the checkout's own draftlab/ folder (first on sys.path from the root) can answer
+    drop_editable = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+                     "if 'editable' not in getattr(f, '__module__', '')]; ")
+    res = subprocess.run([sys.executable, "-c", drop_editable + IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120)
+    _expect_checkout_files(res)
+
+
+@pytest.mark.slow
+def test_a_wheel_install_runs_the_checkouts_tests_from_the_root(tmp_path):
+    """The README's promise, as a new user meets it: draftlab installed from its wheel (not
+    editable), ``python -c 'import ...'`` and ``python -m pytest`` run from the repository root."""
+    src = tmp_path / "src"  # build from a copy: pip writes build/ and *.egg-info beside the sources
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info",
+                                                              "__pycache__", ".pytest_cache"))
+    run = dict(capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                          str(tmp_path / "whl"), str(src)], **run)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (wheel,) = (tmp_path / "whl").glob("draftlab-*.whl")
+    env_dir = tmp_path / "wheelenv"
+    res = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], **run)
+    assert res.returncode == 0, res.stderr[-2000:]
+    python = env_dir / "bin" / "python"
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                          str(wheel)], **run)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    # the new environment borrows this one's dependencies; a path in a .pth runs none of the .pth
+    # files there, so the editable install's finder stays out
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               **run).stdout.strip())
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    installed = subprocess.run([str(python), "-c", "import draftlab; print(draftlab.__file__)"], cwd=tmp_path, **run)
+    assert installed.stdout.strip() == str(site / "draftlab" / "__init__.py"), installed.stderr[-2000:]
+
+    _expect_checkout_files(subprocess.run([str(python), "-c", IMPORTS], cwd=REPO, **run))
+    res = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_kernels.py"],
+                         cwd=REPO, **run)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
