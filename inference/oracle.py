@@ -1,0 +1,83 @@
+"""The oracle drafter: drafts the target's own greedy continuation, so greedy decoding accepts
+every draft (τ = k + 1) and its speedup is the most the decoding engine gives at that k.
+
+A drafter that is always right separates the engine's ceiling from a drafter's acceptance (the
+"ideal acceptance" runs of SpecDecodeBench): a report whose oracle row is slow measures the
+engine, not the drafter. The continuation of each prompt is decoded plainly once, by
+:meth:`OracleProposer.prepare` before timed decoding (or, for a prompt it was not prepared for,
+at its ``start``, which then counts as that decoding's prefill time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftlab.errors import DraftlabError
+from draftlab.inference.proposer import FREE_DRAFTERS, Chain, ChainDraft, Proposer
+
+
+@FREE_DRAFTERS.register("oracle")
+class OracleProposer(Proposer):
+    """Options: ``max_new_tokens`` (the longest continuation decoded per prompt)."""
+
+    name = "oracle"
+    layers = ()
+    shapes = frozenset({"chain"})
+    OPTIONS = {"max_new_tokens": int}
+
+    def __init__(self, target, max_new_tokens: int = 1024, eos_token_id=None):
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise DraftlabError(f"oracle drafter: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        self.target, self.max_new_tokens, self.eos_token_id = target, max_new_tokens, eos_token_id
+        self._continuations: dict[tuple[int, ...], list[int]] = {}  # shared by forks: prompt -> greedy tokens
+        self._future: list[int] = []
+        self._n = 0  # tokens emitted so far
+        self._on_track = True  # every emitted token was the continuation's
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]):
+        unknown = sorted(set(options) - set(cls.OPTIONS))
+        if unknown:
+            raise DraftlabError(f"oracle drafter: unknown option {unknown[0]!r} (options: {', '.join(cls.OPTIONS)})")
+        kw = {}
+        for key, value in options.items():
+            try:
+                kw[key] = int(value)
+            except ValueError:
+                raise DraftlabError(f"oracle drafter: {key} must be an integer, got {value!r}") from None
+        return lambda target: cls(target, **kw)
+
+    def prepare(self, prompts, eos_token_id=None) -> None:
+        """Decode each prompt's greedy continuation (token lists or tensors), untimed."""
+        from draftlab.inference.decoder import Decoder
+
+        self.eos_token_id = eos_token_id
+        todo = [p for p in map(_key, prompts) if p not in self._continuations]
+        for p in todo:
+            res = Decoder(self.target).generate([list(p)], self.max_new_tokens, None, eos_token_id=eos_token_id)
+            self._continuations[p] = res.rows[0].tokens
+
+    def start(self, prompt_ids: torch.Tensor, hidden: dict, next_token: int) -> None:
+        key = _key(prompt_ids)
+        if key not in self._continuations:
+            self.prepare([key], self.eos_token_id)
+        self._future = self._continuations[key]
+        self._n = 0
+        self._on_track = True
+        self._emit([int(next_token)])
+
+    def advance(self, accepted: torch.Tensor, hidden: dict) -> None:
+        self._emit(accepted.reshape(-1).tolist())
+
+    def propose(self, shape: Chain) -> ChainDraft:
+        draft = self._future[self._n : self._n + shape.k] if self._on_track else []
+        return ChainDraft(torch.tensor(draft, dtype=torch.long, device=self.target.device))
+
+    def _emit(self, tokens: list[int]) -> None:
+        # a row whose tokens left the continuation (a near-tie decided otherwise in a batch) drafts nothing
+        self._on_track = self._on_track and tokens == self._future[self._n : self._n + len(tokens)]
+        self._n += len(tokens)
+
+
+def _key(prompt) -> tuple[int, ...]:
+    return tuple(int(t) for t in (prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else prompt))
