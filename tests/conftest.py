@@ -11,6 +11,16 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from tiny import make_tiny_target_dir  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip on a machine without a CUDA device (the markers: pyproject.toml)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dirs(tmp_path_factory):
     """family -> directory of a tiny random model with a ChatML tokenizer (built once)."""

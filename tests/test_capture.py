@@ -318,7 +318,7 @@ def test_sigkill_midway_resume_is_byte_identical(tiny_llama, tiny_target_dirs, t
     assert files_of(out) == files_of(tmp_path / "full")
 
 
-@pytest.mark.skipif(not os.environ.get("DRAFTLAB_SLOW_TESTS"), reason="torch.compile takes ~40 s here; set DRAFTLAB_SLOW_TESTS=1")
+@pytest.mark.slow  # torch.compile takes ~40 s here
 def test_compiled_capture_resumes_byte_identical(tiny_llama, tmp_path):
     target = tiny_llama
     samples = make_samples(target.vocab_size, n=14, seed=5)

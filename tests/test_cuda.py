@@ -20,7 +20,7 @@ from draftlab.models.drafter import DRAFTERS
 from draftlab.models.target import Target
 from tiny import assert_follows_target, random_samples, save_checkpoint
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda  # skipped without a CUDA device (conftest.py)
 
 TEXTS = ["The quick brown fox jumps", "Speculative decoding drafts tokens and the target verifies them all at once",
          "a b c a b c a b"]

@@ -22,6 +22,7 @@ BACKENDS = {
     "fsdp": ("fsdp_cpu.yaml", "FSDP", "fsdp", False),
 }
 REPORT = re.compile(r"^distributed: (.+), world size (\d+), rank 0 owns (\d+)% of the drafter weights$", re.M)
+pytestmark = pytest.mark.distributed
 
 
 def accelerate_launch(config: str, port: int) -> list[str]:

@@ -426,6 +426,7 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dirs):
     assert a.keys() == b.keys() and "lm.lm_head.weight" not in a and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.distributed
 def test_fsdp_shards_the_draft_lms_own_layers_and_refuses_on_policy(tmp_path, tiny_target_dirs):
     """The shipped FSDP2 config names draftlab's DecoderLayer; a draft LM's layers are HF's
     (LlamaDecoderLayer): it trains sharded over two gloo processes all the same. On-policy

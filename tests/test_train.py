@@ -156,6 +156,7 @@ def test_time_limit_stops_with_a_checkpoint_and_a_relaunch_completes(tmp_path, t
 
 
 # ---------------------------------------------------------------- DDP, two gloo processes
+@pytest.mark.distributed
 def test_ddp_two_processes_keep_weights_in_sync(tmp_path, tiny_target_dirs, chat_file):
     path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 4})
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]

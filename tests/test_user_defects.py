@@ -6,7 +6,6 @@ Tiny random targets only (tests/tiny.py); the embedded GGUF is used by path, nev
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -170,7 +169,7 @@ def test_compiled_forward_takes_plain_linears(tiny_target_dirs, monkeypatch):
     torch.testing.assert_close(out.hidden[1], ref.hidden[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not os.environ.get("DRAFTLAB_SLOW_TESTS"), reason="torch.compile takes minutes here; set DRAFTLAB_SLOW_TESTS=1")
+@pytest.mark.slow  # torch.compile takes minutes here
 def test_capture_compile_works_on_cpu(tiny_target_dirs, tmp_path, capsys):
     from draftlab.data.offline_dataset import OfflineDataset
 
