@@ -1,7 +1,7 @@
 """Speculation under load: speedup by batch size for n-gram lookup, a trained drafter at fixed
 draft lengths, and the adaptive draft length (a rule calibrated at start-up).
 
-    python bench/batch.py [RUN_OR_CHECKPOINT] [--batch-sizes 1,2,4,8,16] [--ks 1,2,3]
+    python -m bench.batch [RUN_OR_CHECKPOINT] [--batch-sizes 1,2,4,8,16] [--ks 1,2,3]
                           [--num-prompts 16] [--max-new-tokens 48] [--min-groups 3] [--adaptive-groups 0]
                           [--threads N] [--no-append] [--quick]
 
@@ -31,10 +31,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
-from runs import checkpoint_of, recipe_of, target_of  # noqa: E402
-from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
+from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.runs import checkpoint_of, main_with_errors, recipe_of, target_of
+from bench.sections import append_run
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RUN = REPO / "runs" / "smollm2-135m-eagle3"
@@ -124,7 +123,7 @@ def run(argv, args) -> int:
             f"ShareGPT prompts x {args.max_new_tokens} new tokens, greedy, {cpu_name()}, {torch.get_num_threads()} threads; "
             f"the target's small-row GEMMs ({target.row_plan or 'not measured'}); "
             f"{load_note(window)}. PNG: `{plot.relative_to(REPO)}`.")
-    append_run("Speedup by batch size", started, "bench/batch.py", argv, f"{text}\n{note}")
+    append_run("Speedup by batch size", started, "bench.batch", argv, f"{text}\n{note}")
     return 0
 
 
@@ -206,7 +205,7 @@ def _speedup(e: dict) -> str:
 
 
 def main(argv=None) -> int:
-    return main_with_errors("bench/batch.py", parse_args, run, argv)
+    return main_with_errors("bench.batch", parse_args, run, argv)
 
 
 if __name__ == "__main__":

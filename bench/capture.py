@@ -1,6 +1,6 @@
 """Hidden-state capture throughput on the embedded target, as a share of the fp32 matmul peak.
 
-    python bench/capture.py [--num-conversations 32] [--rounds 3] [--batch-tokens 1024[,2048...]]
+    python -m bench.capture [--num-conversations 32] [--rounds 3] [--batch-tokens 1024[,2048...]]
 
 Modes, each a pass over the same ShareGPT samples (max_length 512) in capture's own batches
 (``plan_batches``: longest first, right-padded, ``--batch-tokens`` padded tokens a forward):
@@ -14,7 +14,7 @@ Modes, each a pass over the same ShareGPT samples (max_length 512) in capture's 
 
 The machine is shared with other jobs whose load comes and goes within seconds, so a peak
 measured once per round can land in a busier or quieter moment than the pass it divides.
-Instead a short fp32 matmul peak window (bench/peak.py) runs before every batch, and
+Instead a short fp32 matmul peak window (bench/machine.py) runs before every batch, and
 
 * ``% peak`` = sum of the batches' FLOPs / sum of (batch seconds x the peak measured right
   before it): useful work over what the matmul units did deliver around the same moments;
@@ -48,11 +48,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_benchmarks, cpu_name, measure_fp32_peak  # noqa: E402
+from bench.machine import cpu_name, measure_fp32_peak
+from bench.sections import append_benchmarks
 
-from draftlab.data.capture import resolve_layers  # noqa: E402
-from draftlab.data.offline import STORAGE_DTYPES, capture_offline, capture_samples, plan_batches  # noqa: E402
+from draftlab.data.capture import resolve_layers
+from draftlab.data.offline import STORAGE_DTYPES, capture_offline, capture_samples, plan_batches
 
 REPO = Path(__file__).resolve().parent.parent
 PEAK_WINDOW_S = 0.3  # before every batch: 3 shapes x 0.1 s
@@ -292,7 +292,7 @@ def make_table(rows: list[dict], batch_sizes: list[int]) -> str:
 
 
 def append_result(argv, args, notes, layers, table, compiled) -> None:
-    cmd = "python bench/capture.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    cmd = "python -m bench.capture " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     cpu = cpu_name()
     text = (
         f"\n## Hidden-state capture throughput ({datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')})\n\n"

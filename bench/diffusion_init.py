@@ -1,6 +1,6 @@
 """How a fresh diffusion drafter should start: training loss and slot accuracy by initialisation, same features and steps.
 
-    python bench/diffusion_init.py [--recipe recipes/smollm2-135m-diffusion.yaml] [--samples 56] [--epochs 8]
+    python -m bench.diffusion_init [--recipe recipes/smollm2-135m-diffusion.yaml] [--samples 56] [--epochs 8]
                                    [--inits random,target_layers,target_layers+context] [--no-append]
 
 The recipe's first ``--samples`` training samples are captured once (features held in RAM);
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
+from bench.machine import cpu_name
+from bench.runs import main_with_errors
+from bench.sections import append_run
 
 REPO = Path(__file__).resolve().parent.parent
 INITS = ("random", "target_layers", "target_layers+context")
@@ -111,9 +112,9 @@ def run(argv, args) -> int:
                 f"{args.epochs} epochs; loss = the recipe's block loss per block (loss.kind {loss_cfg.kind}), acc = agreement "
                 f"with the target's greedy token (slot 1, and the mean over the {probe.block_size - 1} slots), each averaged over "
                 "the steps of the window.\n\n")
-        append_run("Diffusion drafter: initialisation", started, "bench/diffusion_init.py", argv, note + text)
+        append_run("Diffusion drafter: initialisation", started, "bench.diffusion_init", argv, note + text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_errors("bench/diffusion_init.py", parse_args, run))
+    sys.exit(main_with_errors("bench.diffusion_init", parse_args, run))

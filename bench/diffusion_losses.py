@@ -1,6 +1,6 @@
 """The block losses compared: one diffusion drafter recipe trained under each loss, same data, steps and seed.
 
-    python bench/diffusion_losses.py [--recipe recipes/smollm2-135m-diffusion.yaml] [--out runs/diffusion-losses]
+    python -m bench.diffusion_losses [--recipe recipes/smollm2-135m-diffusion.yaml] [--out runs/diffusion-losses]
                                      [--losses ce,streak,ce_streak,dpace] [--set dotted.key=value ...] [--no-append]
 
 1. The recipe's training split is captured once (``data/offline.py``, float32, the drafter's
@@ -29,8 +29,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
+from bench.machine import cpu_name
+from bench.runs import main_with_errors
+from bench.sections import append_run
 
 REPO = Path(__file__).resolve().parent.parent
 LOSSES = ("ce", "streak", "ce_streak", "dpace")
@@ -132,9 +133,9 @@ def run(argv, args) -> int:
         note = (f"Machine: {cpu_name()}. Capture of the training split once: {capture_min:.1f} min (0 when reused). "
                 f"Each row: its run's last after-checkpoint report (held-out prompts, the whole block drafted, greedy); "
                 f"a_j = P(accepted >= j), α_j = a_j / a_(j-1). Plot: `{figure.relative_to(REPO)}`.\n\n")
-        append_run("Diffusion drafter: block losses at equal data, steps and seed", started, "bench/diffusion_losses.py", argv, note + text)
+        append_run("Diffusion drafter: block losses at equal data, steps and seed", started, "bench.diffusion_losses", argv, note + text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_errors("bench/diffusion_losses.py", parse_args, run))
+    sys.exit(main_with_errors("bench.diffusion_losses", parse_args, run))

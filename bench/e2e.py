@@ -1,6 +1,6 @@
 """End-to-end greedy decoding speed on the embedded target: draftlab's engine vs HF transformers.
 
-    python bench/e2e.py [--drafter CKPT] [--num-prompts 24] [--max-new-tokens 128] [--k 5]
+    python -m bench.e2e [--drafter CKPT] [--num-prompts 24] [--max-new-tokens 128] [--k 5]
                         [--tree-depth 5] [--tree-topk 8] [--tree-total 48] [--threads N] [--quick]
 
 Target ``Target.load("default")`` (SmolLM2-135M-Instruct, fp32, CPU), Spec-Bench prompts
@@ -73,13 +73,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
-from peak import append_benchmarks, cpu_name  # noqa: E402
+from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.sections import append_benchmarks
 
-from draftlab.errors import DraftlabError  # noqa: E402
-from draftlab.inference.evaluate import check_decoding_options  # noqa: E402
-from draftlab.inference.proposer import Chain, DynamicTree  # noqa: E402
+from draftlab.errors import DraftlabError
+from draftlab.inference.evaluate import check_decoding_options
+from draftlab.inference.proposer import Chain, DynamicTree
 
 REPO = Path(__file__).resolve().parent.parent
 COPY_MIB = 256  # bandwidth probe: far beyond any cache level
@@ -644,7 +643,7 @@ def write_json(path: Path, obj) -> None:
 
 
 def append_result(argv, args, num_prompts: int, tree: DynamicTree, text: str) -> None:
-    cmd = "python bench/e2e.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    cmd = "python -m bench.e2e " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     import transformers
 
     header = (

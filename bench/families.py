@@ -1,6 +1,6 @@
 """Drafter families at about equal training time: acceptance curves and speculative decoding per run.
 
-    python bench/families.py RUN_DIR [RUN_DIR ...] [--num-prompts 8] [--max-new-tokens 64]
+    python -m bench.families RUN_DIR [RUN_DIR ...] [--num-prompts 8] [--max-new-tokens 64]
                              [--static-tree JSON] [--threads N] [--plot PATH.png] [--no-append] [--quick]
 
 Each RUN_DIR is the ``output_dir`` of a finished training run (e.g. runs/smollm2-135m-eagle3 and
@@ -46,12 +46,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
-from runs import checkpoint_of, heldout_of, recipe_of, target_of  # noqa: E402
+from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.runs import checkpoint_of, heldout_of, main_with_errors, recipe_of, target_of
+from bench.sections import append_run
 
-from draftlab.errors import DraftlabError  # noqa: E402
+from draftlab.errors import DraftlabError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STATIC_TREE = "[[0],[1],[0,0],[0,0,0]]"
@@ -393,12 +392,12 @@ def run(argv, args) -> int:
     print()
     print(text)
     if append:
-        append_run("Drafter families at equal training time", started, "bench/families.py", argv, text)
+        append_run("Drafter families at equal training time", started, "bench.families", argv, text)
     return 0
 
 
 def main(argv=None) -> int:
-    return main_with_errors("bench/families.py", parse_args, run, argv)
+    return main_with_errors("bench.families", parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Drafting without a second model beside a trained EAGLE-3, per data set, in one run.
 
-    python bench/free_drafters.py [--eagle CKPT] [--layerskip CKPT] [--num-prompts 4]
+    python -m bench.free_drafters [--eagle CKPT] [--layerskip CKPT] [--num-prompts 4]
                                   [--max-new-tokens 64] [--k 3] [--lookahead W,N,G] [--threads N]
                                   [--no-append] [--quick]
 
@@ -29,11 +29,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
-from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
+from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.runs import main_with_errors
+from bench.sections import append_run
 
-from draftlab.errors import DraftlabError  # noqa: E402
+from draftlab.errors import DraftlabError
 
 TITLE = "Drafting without a second model"
 # (label, data set, Spec-Bench category or None)
@@ -47,7 +47,7 @@ SETS = [
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="bench/free_drafters.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench.free_drafters", description=__doc__.splitlines()[0])
     p.add_argument("--eagle", type=Path, help="an EAGLE-3 checkpoint (e.g. runs/smollm2-135m-eagle3/checkpoints/best)")
     p.add_argument("--layerskip", type=Path, help="a layer-skip checkpoint (recipes/smollm2-135m-layerskip.yaml's)")
     p.add_argument("--num-prompts", type=int, default=4)
@@ -151,9 +151,9 @@ def run(argv, args) -> int:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     print(text)
     if not (args.no_append or args.quick):
-        append_run(TITLE, started, "bench/free_drafters.py", argv, text)
+        append_run(TITLE, started, "bench.free_drafters", argv, text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_errors("bench/free_drafters.py", parse_args, run))
+    sys.exit(main_with_errors("bench.free_drafters", parse_args, run))

@@ -2,7 +2,7 @@
 greedy and sampling) on the Triton kernels against the torch reference, by batch size, draft
 length and vocabulary size.
 
-    python bench/kernels.py [--batch-sizes 1,8,64] [--ks 3,7] [--vocabs 49152,128256]
+    python -m bench.kernels [--batch-sizes 1,8,64] [--ks 3,7] [--vocabs 49152,128256]
                             [--repeats 30] [--no-append]
 
 Each configuration runs the whole accept call the decoder makes (the target's logits in, the
@@ -22,10 +22,9 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_run, main_with_errors  # noqa: E402
+from bench.runs import main_with_errors
+from bench.sections import append_run
 
 
 def parse_args(argv):
@@ -135,12 +134,12 @@ def run(argv, args) -> int:
             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}.")
     print(text + note)
     if not args.no_append:
-        append_run("Verify kernels on a GPU", started, "bench/kernels.py", argv, text + "\n" + note)
+        append_run("Verify kernels on a GPU", started, "bench.kernels", argv, text + "\n" + note)
     return 0
 
 
 def main(argv=None) -> int:
-    return main_with_errors("bench/kernels.py", parse_args, run, argv)
+    return main_with_errors("bench.kernels", parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Medusa static trees built from the heads' measured accuracies (the Medusa paper's sparse trees), measured end to end.
 
-    python bench/medusa_tree.py CHECKPOINT [--sizes 1,2,3,4,6,8,12,16] [--num-prompts 8]
+    python -m bench.medusa_tree CHECKPOINT [--sizes 1,2,3,4,6,8,12,16] [--num-prompts 8]
                                 [--max-new-tokens 64] [--threads N] [--no-append] [--quick]
 
 CHECKPOINT is a Medusa checkpoint directory (e.g. runs/smollm2-135m-medusa/checkpoints/best; a
@@ -58,14 +58,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import busy_cpu_seconds, load_note, own_cpu_seconds  # noqa: E402
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
-from runs import checkpoint_of, heldout_of, recipe_of, target_of  # noqa: E402
+from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.runs import checkpoint_of, heldout_of, main_with_errors, recipe_of, target_of
+from bench.sections import append_run
 
-from draftlab.errors import DraftlabError  # noqa: E402
+from draftlab.errors import DraftlabError
 
-PROG = "bench/medusa_tree.py"
+PROG = "bench.medusa_tree"
 DEFAULT_SIZES = "1,2,3,4,6,8,12,16"
 QUICK_SIZES = "1,2,4"
 TOP_R = 10  # ranks per head whose accuracy is measured (and the widest a node's rank can be)

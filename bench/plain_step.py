@@ -1,6 +1,6 @@
 """What a step the draft-length rule leaves undrafted costs against plain decoding's step.
 
-    python bench/plain_step.py [RUN_OR_CHECKPOINT] [--batch-size 8] [--groups 36] [--num-prompts 16]
+    python -m bench.plain_step [RUN_OR_CHECKPOINT] [--batch-size 8] [--groups 36] [--num-prompts 16]
                                [--max-new-tokens 48] [--no-append]
 
 Where the rule picks k = 0 at every step (``inference/draft_length.py``), the speculative decoder
@@ -19,9 +19,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_run, cpu_name, main_with_errors  # noqa: E402
-from runs import checkpoint_of, recipe_of, target_of  # noqa: E402
+from bench.machine import cpu_name
+from bench.runs import checkpoint_of, main_with_errors, recipe_of, target_of
+from bench.sections import append_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,9 +108,9 @@ def run(argv, args) -> int:
         f"checkpoint `{ckpt.relative_to(REPO) if ckpt.is_relative_to(REPO) else ckpt}`; {cpu_name()}.\n")
     print(text)
     if not args.no_append:
-        append_run("The draft-length rule's plain step", started, "bench/plain_step.py", argv, text)
+        append_run("The draft-length rule's plain step", started, "bench.plain_step", argv, text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_errors("bench/plain_step.py", parse_args, run))
+    sys.exit(main_with_errors("bench.plain_step", parse_args, run))

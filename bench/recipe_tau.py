@@ -1,6 +1,6 @@
 """τ reached by recipe runs: one row per after-checkpoint evaluation of each run directory.
 
-    python bench/recipe_tau.py runs/smollm2-135m-eagle3 runs/smollm2-135m-eagle3-full [--no-append]
+    python -m bench.recipe_tau runs/smollm2-135m-eagle3 runs/smollm2-135m-eagle3-full [--no-append]
 
 Reads what the trainer wrote (``metrics.jsonl``: training seconds up to each step;
 ``eval/step-N.json``: the acceptance report of real speculative decoding on held-out prompts). Nothing is
@@ -17,8 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import append_benchmarks  # noqa: E402
+from bench.sections import append_benchmarks
 
 
 def run_rows(run: Path) -> list[dict]:
@@ -64,7 +63,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if not args.no_append:
-        cmd = "python bench/recipe_tau.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+        cmd = "python -m bench.recipe_tau " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
         append_benchmarks(
             f"\n## τ reached by recipe runs ({datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')})\n\n"
             f"Command: `{cmd}`\n\nFrom each run's own after-checkpoint reports (real speculative decoding on held-out "

@@ -1,9 +1,10 @@
 """What the benchmarks read from a training run: its checkpoint, the recipe it was trained
 with, the target that recipe names and the recipe's held-out samples. Every check runs before
-a model loads and fails with a one-line DraftlabError."""
+a model loads and fails with a one-line DraftlabError, which :func:`main_with_errors` prints."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
@@ -68,3 +69,15 @@ def heldout_of(recipe, run: Path | None, target, where) -> list:
     if not samples.heldout:
         raise DraftlabError(f"{where}: the recipe's data split holds no held-out samples (data.heldout = 0)")
     return samples.heldout
+
+
+def main_with_errors(module: str, parse_args, run, argv=None) -> int:
+    """``run(argv, parse_args(argv))``; a DraftlabError becomes one line on stderr (``module: error:
+    ...``, the bench module that ran) and exit 2."""
+    from draftlab.errors import DraftlabError
+
+    try:
+        return run(argv, parse_args(argv))
+    except DraftlabError as e:
+        print(f"{module}: error: {e}", file=sys.stderr)
+        return 2

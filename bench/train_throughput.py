@@ -1,6 +1,6 @@
 """EAGLE-3 drafter training throughput: draftlab vs speculators' Eagle3DraftModel, as a share of the fp32 matmul peak.
 
-    python bench/train_throughput.py [--steps 5] [--batch 1] [--threads N] [--quick] [--profile]
+    python -m bench.train_throughput [--steps 5] [--batch 1] [--threads N] [--quick] [--profile]
 
 Configuration (the embedded target, SmolLM2-135M: hidden 576, 30 layers, vocab 49152): one
 drafter layer, 1024-token sequences, 7 TTT steps, draft vocabulary 8192, fp32, AdamW.
@@ -24,7 +24,7 @@ the same rows and hidden states:
 
 One timed step = zero_grad + forward + backward + AdamW step, on a batch not used before (warm-up
 steps first). Steps of the two systems alternate (order swapped every round) so machine noise
-hits both; each round also measures the fp32 matmul peak (bench/peak.py) for its share.
+hits both; each round also measures the fp32 matmul peak (bench/machine.py) for its share.
 Reported: medians over rounds.
 
 FLOPs per trained token (useful work only, identical for both systems; T = seq_len, S = TTT
@@ -49,7 +49,6 @@ The command, the configuration and the table rewrite this benchmark's section of
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 import sys
@@ -59,9 +58,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture import decoder_flops  # noqa: E402
-from peak import append_benchmarks, cpu_name, measure_fp32_peak  # noqa: E402
+from bench.capture import decoder_flops
+from bench.machine import busy_cpu_seconds, cpu_name, load_note, measure_fp32_peak, own_cpu_seconds
+from bench.sections import append_benchmarks
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFT_VOCAB = 8192
@@ -214,32 +213,6 @@ def timed(run, k: int) -> float:
     return dt
 
 
-# ------------------------------------------------------------------------------ machine load
-def busy_cpu_seconds() -> float:
-    """CPU-seconds all processes spent busy since boot (/proc/stat; 0 where unavailable)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def load_note(window: dict) -> str:
-    others = max(0.0, window["busy"] - window["own"])
-    cores = os.cpu_count() or 1
-    return (
-        f"load average {window['loadavg_start']} at start; during the timed steps other processes used "
-        f"{others:.0f} CPU-s of {window['wall'] * cores:.0f} available ({100 * others / (window['wall'] * cores):.0f}% "
-        f"of {cores} cores), this run {window['own']:.0f} CPU-s"
-    )
-
-
 # ------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -370,7 +343,7 @@ def profile_step(run, k: int, rows: int = 15) -> str:
 
 
 def append_result(argv, args, flops, drafter, table, note) -> None:
-    cmd = "python bench/train_throughput.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    cmd = "python -m bench.train_throughput " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     cpu = cpu_name()
     from importlib.metadata import version
 

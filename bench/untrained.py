@@ -1,6 +1,6 @@
 """The checkpoint a recipe's drafter starts training from, for measuring what training adds.
 
-    python bench/untrained.py RECIPE OUT_DIR [dotted.key=value ...]
+    python -m bench.untrained RECIPE OUT_DIR [dotted.key=value ...]
     draftlab eval --drafter OUT_DIR --recipe RECIPE [dotted.key=value ...]
 
 Builds the recipe's drafter exactly as ``train`` does before its first step (the same seed,
@@ -14,8 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak import main_with_errors  # noqa: E402
+from bench.runs import main_with_errors
 
 
 def parse_args(argv):
@@ -51,4 +50,4 @@ def run(argv, args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_with_errors("bench/untrained.py", parse_args, run))
+    sys.exit(main_with_errors("bench.untrained", parse_args, run))

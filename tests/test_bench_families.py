@@ -1,15 +1,12 @@
-"""bench/families.py and bench/batch.py without models: the runs' own files, tables and one-line errors."""
+"""bench.families and bench.batch without models: the runs' own files, tables and one-line errors."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import batch as batch_bench  # noqa: E402
-import families  # noqa: E402
-import kernels as kernels_bench  # noqa: E402
+from bench import batch as batch_bench
+from bench import families
+from bench import kernels as kernels_bench
 
 
 def _run(tmp_path, reports=True):
@@ -40,10 +37,10 @@ def test_one_line_errors(tmp_path, capsys, what, message):
     run = tmp_path / "nope" if what == "missing" else _run(tmp_path, reports=what != "no-reports")
     assert families.main([str(run), "--quick"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("bench/families.py: error:") and message in err and "\n" not in err
+    assert err.startswith("bench.families: error:") and message in err and "\n" not in err
 
 
-@pytest.mark.parametrize("bench, prog", [(batch_bench, "bench/batch.py"), (kernels_bench, "bench/kernels.py")])
+@pytest.mark.parametrize("bench, prog", [(batch_bench, "bench.batch"), (kernels_bench, "bench.kernels")])
 def test_bad_draft_lengths_are_one_line_errors(capsys, bench, prog):
     """A bad list flag is a one-line error (raised while parsing, before any model loads)."""
     assert bench.main(["--ks", "x"]) == 2

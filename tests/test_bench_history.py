@@ -1,15 +1,11 @@
-"""bench/peak.py writes each benchmark's latest run in place of its BENCHMARKS.md section and moves
+"""bench/sections.py writes each benchmark's latest run in place of its BENCHMARKS.md section and moves
 the section it replaces to bench/HISTORY.md (newest first); it never appends a second copy."""
 
-import sys
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import peak  # noqa: E402
+from bench import sections
 
 PREFACE = "# draftlab benchmarks\n\nThree lines of preface.\nHistory: bench/HISTORY.md.\nScripts rewrite sections.\n"
 BATCH_OLD = (
@@ -17,12 +13,12 @@ BATCH_OLD = (
     "What: speculative against plain decoding by batch size.\n"
     "Second line of what.\n\n"
     "Latest run: 2026-11-26 07:31 UTC\n\n"
-    "Command: `python bench/batch.py --min-groups 8`\n\n"
+    "Command: `python -m bench.batch --min-groups 8`\n\n"
     "| configuration | B=1 |\n|---|---|\n| eagle3 k=1 | 1.18× |\n"
 )
 E2E_OLD = (
     "## End-to-end greedy decoding, draftlab vs HF transformers (2026-11-23 01:06 UTC)\n\n"
-    "Command: `python bench/e2e.py --k 1`\n\n"
+    "Command: `python -m bench.e2e --k 1`\n\n"
     "| # | decoder | tok/s |\n|---|---|---|\n| 1 | draftlab plain greedy | 15.9 |\n"
 )
 TREE = (
@@ -32,7 +28,7 @@ TREE = (
     "After the code block.\n"
 )
 HISTORY_HEAD = "# Benchmark history\n\nEarlier sections, verbatim, newest first.\n"
-HISTORY_OLDEST = "## Speedup by batch size (2026-11-25 19:17 UTC)\n\nCommand: `python bench/batch.py`\n\n| old | table |\n"
+HISTORY_OLDEST = "## Speedup by batch size (2026-11-25 19:17 UTC)\n\nCommand: `python -m bench.batch`\n\n| old | table |\n"
 
 
 @pytest.fixture
@@ -42,8 +38,8 @@ def files(tmp_path, monkeypatch):
     history.parent.mkdir()
     history.write_text("\n".join([HISTORY_HEAD, HISTORY_OLDEST]))
     # raising=True: code without these paths fails here, before it could touch the real files
-    monkeypatch.setattr(peak, "BENCHMARKS_PATH", bench)
-    monkeypatch.setattr(peak, "HISTORY_PATH", history)
+    monkeypatch.setattr(sections, "BENCHMARKS_PATH", bench)
+    monkeypatch.setattr(sections, "HISTORY_PATH", history)
     return bench, history
 
 
@@ -58,8 +54,8 @@ def headings(text):
 
 def test_a_run_replaces_its_section_and_moves_the_old_one_to_history(files):
     bench, history = files
-    peak.append_run("Speedup by batch size", datetime(2026, 11, 27, 9, 5), "bench/batch.py",
-                    ["--min-groups", "8"], "| configuration | B=1 |\n|---|---|\n| draft-length rule | 1.20× |")
+    sections.append_run("Speedup by batch size", datetime(2026, 11, 27, 9, 5), "bench.batch",
+                        ["--min-groups", "8"], "| configuration | B=1 |\n|---|---|\n| draft-length rule | 1.20× |")
     text = bench.read_text()
     assert headings(text) == ["## Speedup by batch size",
                               "## End-to-end greedy decoding, draftlab vs HF transformers (2026-11-23 01:06 UTC)",
@@ -69,7 +65,7 @@ def test_a_run_replaces_its_section_and_moves_the_old_one_to_history(files):
         "## Speedup by batch size\n\n"
         "What: speculative against plain decoding by batch size.\nSecond line of what.\n\n"  # kept across runs
         "Latest run: 2026-11-27 09:05 UTC\n\n"
-        "Command: `python bench/batch.py --min-groups 8`\n\n"
+        "Command: `python -m bench.batch --min-groups 8`\n\n"
         "| configuration | B=1 |\n|---|---|\n| draft-length rule | 1.20× |\n",
         E2E_OLD, TREE])  # the other sections (and the preface) untouched, in their places
     assert "1.18×" not in text and text.count("## Speedup by batch size") == 1
@@ -79,15 +75,15 @@ def test_a_run_replaces_its_section_and_moves_the_old_one_to_history(files):
 
 def test_a_dated_section_from_a_script_replaces_the_section_of_its_title(files):
     bench, history = files
-    # bench/e2e.py, capture.py, recipe_tau.py and train_throughput.py pass a whole dated section
-    peak.append_benchmarks("\n## End-to-end greedy decoding, draftlab vs HF transformers (2026-11-28 10:00 UTC)\n\n"
-                           "Command: `python bench/e2e.py --k 2`\n\nnew e2e table\n")
+    # bench.e2e, capture, recipe_tau and train_throughput pass a whole dated section
+    sections.append_benchmarks("\n## End-to-end greedy decoding, draftlab vs HF transformers (2026-11-28 10:00 UTC)\n\n"
+                               "Command: `python -m bench.e2e --k 2`\n\nnew e2e table\n")
     text = bench.read_text()
     assert headings(text) == ["## Speedup by batch size",
                               "## End-to-end greedy decoding, draftlab vs HF transformers",
                               "## Medusa static tree from head accuracies"]
     assert ("## End-to-end greedy decoding, draftlab vs HF transformers\n\nLatest run: 2026-11-28 10:00 UTC\n\n"
-            "Command: `python bench/e2e.py --k 2`\n\nnew e2e table\n\n## Medusa") in text
+            "Command: `python -m bench.e2e --k 2`\n\nnew e2e table\n\n## Medusa") in text
     assert text.startswith("\n".join([PREFACE, BATCH_OLD]))
     assert text.endswith(TREE)
     assert history.read_text() == "\n".join([HISTORY_HEAD, E2E_OLD, HISTORY_OLDEST])
@@ -96,26 +92,26 @@ def test_a_dated_section_from_a_script_replaces_the_section_of_its_title(files):
 def test_a_new_title_is_added_and_nothing_moves(files):
     bench, history = files
     before, history_before = bench.read_text(), history.read_text()
-    peak.append_run("Speedup by batch", datetime(2026, 11, 27, 9, 5), "bench/other.py", [], "prefix of a title only")
-    peak.append_run("Verify kernels on a GPU", datetime(2026, 11, 27, 10, 0), "bench/kernels.py", [], "kernels table")
+    sections.append_run("Speedup by batch", datetime(2026, 11, 27, 9, 5), "bench.other", [], "prefix of a title only")
+    sections.append_run("Verify kernels on a GPU", datetime(2026, 11, 27, 10, 0), "bench.kernels", [], "kernels table")
     text = bench.read_text()
     assert text.startswith(before)
     assert text[len(before):] == ("\n## Speedup by batch\n\nLatest run: 2026-11-27 09:05 UTC\n\n"
-                                  "Command: `python bench/other.py`\n\nprefix of a title only\n"
+                                  "Command: `python -m bench.other`\n\nprefix of a title only\n"
                                   "\n## Verify kernels on a GPU\n\nLatest run: 2026-11-27 10:00 UTC\n\n"
-                                  "Command: `python bench/kernels.py`\n\nkernels table\n")
+                                  "Command: `python -m bench.kernels`\n\nkernels table\n")
     assert history.read_text() == history_before
 
 
 def test_the_next_run_moves_the_rewritten_section_and_history_stays_newest_first(files):
     bench, history = files
     for hour in (9, 10):
-        peak.append_run("Medusa static tree from head accuracies", datetime(2026, 11, 27, hour, 0),
-                        "bench/medusa_tree.py", [], f"run at {hour}")
+        sections.append_run("Medusa static tree from head accuracies", datetime(2026, 11, 27, hour, 0),
+                            "bench.medusa_tree", [], f"run at {hour}")
     text = bench.read_text()
     assert text.count("## Medusa static tree") == 1
     assert text.endswith("## Medusa static tree from head accuracies\n\nWhat: a tree from head accuracies.\n\n"
-                         "Latest run: 2026-11-27 10:00 UTC\n\nCommand: `python bench/medusa_tree.py`\n\nrun at 10\n")
+                         "Latest run: 2026-11-27 10:00 UTC\n\nCommand: `python -m bench.medusa_tree`\n\nrun at 10\n")
     hist = history.read_text()
     assert headings(hist) == ["## Medusa static tree from head accuracies"] * 2 + [
         "## Speedup by batch size (2026-11-25 19:17 UTC)"]
@@ -124,13 +120,13 @@ def test_the_next_run_moves_the_rewritten_section_and_history_stays_newest_first
 
 def test_missing_files_are_created(tmp_path, monkeypatch):
     bench, history = tmp_path / "BENCHMARKS.md", tmp_path / "HISTORY.md"
-    monkeypatch.setattr(peak, "BENCHMARKS_PATH", bench)
-    monkeypatch.setattr(peak, "HISTORY_PATH", history)
-    peak.append_run("Hidden-state capture throughput", datetime(2026, 11, 27, 9, 5), "bench/capture.py", [], "t1")
-    assert bench.read_text().startswith(peak.BENCHMARKS_PREFACE)
+    monkeypatch.setattr(sections, "BENCHMARKS_PATH", bench)
+    monkeypatch.setattr(sections, "HISTORY_PATH", history)
+    sections.append_run("Hidden-state capture throughput", datetime(2026, 11, 27, 9, 5), "bench.capture", [], "t1")
+    assert bench.read_text().startswith(sections.BENCHMARKS_PREFACE)
     assert not history.exists()
-    peak.append_run("Hidden-state capture throughput", datetime(2026, 11, 27, 9, 6), "bench/capture.py", [], "t2")
-    assert history.read_text().startswith(peak.HISTORY_PREFACE)
+    sections.append_run("Hidden-state capture throughput", datetime(2026, 11, 27, 9, 6), "bench.capture", [], "t2")
+    assert history.read_text().startswith(sections.HISTORY_PREFACE)
     assert "t1" in history.read_text() and "t1" not in bench.read_text() and "t2" in bench.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["BENCHMARKS.md", "HISTORY.md"]  # no temporaries left
 
@@ -141,5 +137,5 @@ def test_both_files_are_written_atomically(files, monkeypatch):
     bench, history = files
     written, write_text = [], atomic.write_text
     monkeypatch.setattr(atomic, "write_text", lambda path, text: written.append(path) or write_text(path, text))
-    peak.append_run("Speedup by batch size", datetime(2026, 11, 27, 9, 5), "bench/batch.py", [], "new")
+    sections.append_run("Speedup by batch size", datetime(2026, 11, 27, 9, 5), "bench.batch", [], "new")
     assert written == [history, bench]  # the history first: a kill in between loses no section

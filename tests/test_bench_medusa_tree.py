@@ -1,18 +1,14 @@
-"""bench/medusa_tree.py without models: the greedy sparse-tree construction and its one-line errors."""
+"""bench.medusa_tree without models: the greedy sparse-tree construction and its one-line errors."""
 
 import itertools
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import medusa_tree  # noqa: E402
-
-from draftlab.checkpoint import FORMAT, META  # noqa: E402
-from draftlab.inference.proposer import StaticTree  # noqa: E402
+from bench import medusa_tree
+from draftlab.checkpoint import FORMAT, META
+from draftlab.inference.proposer import StaticTree
 
 
 def test_greedy_tree_adds_the_most_probable_node_whose_parent_is_in():
@@ -70,4 +66,4 @@ def test_one_line_errors(tmp_path, capsys, what, message):
         path = _ckpt(tmp_path, "eagle3" if what == "eagle3" else "medusa")
     assert medusa_tree.main([str(path), "--quick"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("bench/medusa_tree.py: error:") and message in err and "\n" not in err
+    assert err.startswith("bench.medusa_tree: error:") and message in err and "\n" not in err

@@ -1,6 +1,6 @@
 """Where a training run's start-up and after-checkpoint report time goes, stage by stage.
 
-    python bench/startup.py RECIPE [dotted.key=value ...]   e.g. train.max_steps=2 train.checkpoint_every=2
+    python -m bench.archive.startup RECIPE [dotted.key=value ...]   e.g. train.max_steps=2 train.checkpoint_every=2
 
 Trains RECIPE as ``train/<family>.py`` would, in one process, with the stages timed by wrapping
 them: each line gives a stage's own seconds and the process age when it ended (process start =
