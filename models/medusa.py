@@ -1,4 +1,5 @@
-"""Medusa-1 heads (FasterDecoding/Medusa; see ../shared/docs/methods.md).
+"""Medusa-1 heads (Cai et al. 2024, arXiv 2401.10774; FasterDecoding/Medusa; the loss:
+losses/medusa.py).
 
 N heads read the target's last hidden state h_t (after its final norm, ``hidden[L]``) and head i
 (0-based) predicts token x_{t+2+i}: the target's own lm_head already gives x_{t+1}, so one target

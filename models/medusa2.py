@@ -1,4 +1,5 @@
-"""Medusa-2 (FasterDecoding/Medusa, stage 2 of its axolotl fork; see ../shared/docs/methods.md):
+"""Medusa-2 (Cai et al. 2024, arXiv 2401.10774: the joint training it calls Medusa-2;
+FasterDecoding/Medusa's axolotl fork):
 Medusa heads trained jointly with LoRA adapters on the target's decoder.
 
 The heads are Medusa-1's (``MedusaDrafter``: head i at t guesses x_{t+2+i} from the last hidden

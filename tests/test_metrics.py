@@ -119,6 +119,21 @@ def test_spec_bench_prompts_round_robin(tiny_llama, tmp_path, monkeypatch):
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("env", [None, "missing.jsonl"], ids=["unset", "no-file"])
+def test_spec_bench_without_its_file_is_a_one_line_error(tiny_llama, tmp_path, monkeypatch, env):
+    """Spec-Bench comes from DRAFTLAB_SPEC_BENCH or --data PATH, never from a guessed folder."""
+    from draftlab.inference.prompts import load_prompts
+
+    monkeypatch.chdir(tmp_path)
+    if env is None:
+        monkeypatch.delenv("DRAFTLAB_SPEC_BENCH", raising=False)
+    else:
+        monkeypatch.setenv("DRAFTLAB_SPEC_BENCH", str(tmp_path / env))
+    with pytest.raises(DraftlabError, match="DRAFTLAB_SPEC_BENCH") as e:
+        load_prompts("spec-bench", tiny_llama.tokenizer, num_prompts=2)
+    assert "\n" not in str(e.value) and ("--data PATH" in str(e.value)) == (env is None)
+
+
 def test_humaneval_prompts(tiny_llama):
     from draftlab.inference.prompts import load_prompts
 
