@@ -19,7 +19,7 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import Decoder, single, run_lockstep
-from draftlab.inference.metrics import AcceptanceStats
+from draftlab.inference.metrics import AcceptanceStats, tau_prompt_mean
 from draftlab.inference.prompts import DATA_SETS, EvalPrompt
 from draftlab.inference.proposer import (
     CHOICES_EXAMPLE,
@@ -48,6 +48,7 @@ class _Totals:
 
     def __init__(self):
         self.stats = AcceptanceStats()
+        self.prompt_stats: list[AcceptanceStats] = []  # one per prompt, for SpecForge's tau
         self.prompts = 0
         self.tokens = self.base_tokens = 0
         self.time = self.base_time = self.draft_time = self.verify_time = self.prefill_time = 0.0
@@ -55,7 +56,8 @@ class _Totals:
 
     def add(self, spec, base, compare: bool) -> None:
         self.prompts += 1
-        self.stats.merge(spec.stats())
+        self.prompt_stats.append(spec.stats())
+        self.stats.merge(self.prompt_stats[-1])
         self.tokens += len(spec.tokens)
         self.time += spec.total_time
         self.draft_time += spec.draft_time
@@ -74,6 +76,7 @@ class _Totals:
         return {
             "num_prompts": self.prompts,
             **self.stats.to_dict(),
+            "tau_prompt_mean": tau_prompt_mean(self.prompt_stats),
             "new_tokens": self.tokens,
             "tokens_per_s": tps,
             "baseline_tokens_per_s": base_tps,

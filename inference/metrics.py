@@ -13,6 +13,12 @@ Over verify steps (one target forward each), with L = number of drafts accepted 
 K is the largest draft depth any step offered (chain: drafts proposed; tree: tree depth).
 Steps that offered fewer drafts (a prompt-lookup miss, say) count with L = 0 beyond what they
 offered, which keeps ``tau`` equal to tokens per target forward.
+
+The engines count tau two ways, and a report gives both (:data:`TAU_LABELS`): ``tau`` pooled
+over every verify step of every prompt (vLLM's mean acceptance length, 1 + accepted / drafts),
+and ``tau_prompt_mean``, the mean of each prompt's own tau (SpecForge's benchmarks). They differ
+when prompts take different numbers of steps: a prompt that accepts little takes more steps,
+so it weighs more in the pooled tau, which is then the lower of the two.
 """
 
 from __future__ import annotations
@@ -113,6 +119,17 @@ class AcceptanceStats:
             num_drafted=int(d["num_drafted"]),
             num_accepted=int(d["num_accepted"]),
         )
+
+
+TAU_LABELS = {
+    "tau": "τ pooled over all steps (vLLM)",
+    "tau_prompt_mean": "τ mean of per-prompt τ (SpecForge)",
+}
+
+
+def tau_prompt_mean(per_prompt: list[AcceptanceStats]) -> float | None:
+    """SpecForge's tau: the mean over prompts of each prompt's own tau (None with no prompts)."""
+    return sum(s.tau for s in per_prompt) / len(per_prompt) if per_prompt else None
 
 
 def acceptance_stats(accept_lengths, k) -> AcceptanceStats:

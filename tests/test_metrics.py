@@ -9,7 +9,7 @@ import math
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.metrics import AcceptanceStats, acceptance_stats
+from draftlab.inference.metrics import TAU_LABELS, AcceptanceStats, acceptance_stats, tau_prompt_mean
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,9 +65,23 @@ def test_merge_and_roundtrip():
     assert merged.tau == pytest.approx(1 + 11 / 5)
 
 
+def test_tau_pooled_and_per_prompt_mean_by_hand():
+    """vLLM pools every verify step; SpecForge averages each prompt's own tau. Prompt A: one
+    step accepting both drafts (tau 3); prompt B: three steps accepting none (tau 1)."""
+    a, b = acceptance_stats([2], k=2), acceptance_stats([0, 0, 0], k=2)
+    pooled = AcceptanceStats().merge(a).merge(b)
+    assert pooled.tau == pytest.approx(1 + 2 / 4)  # 4 steps, 2 drafts accepted: 1.5
+    assert tau_prompt_mean([a, b]) == pytest.approx((3 + 1) / 2)  # 2.0
+    assert pooled.alpha == pytest.approx([0.25, 1.0])  # alpha_j stays pooled
+    assert tau_prompt_mean([a]) == pytest.approx(a.tau) and tau_prompt_mean([]) is None
+    # a third prompt of tau 2 over 2 steps: pooled (2 + 2) / 6 + 1, mean (3 + 1 + 2) / 3
+    c = acceptance_stats([1, 1], k=1)
+    assert pooled.merge(c).tau == pytest.approx(1 + 4 / 6) and tau_prompt_mean([a, b, c]) == pytest.approx(2.0)
+
+
 # ---------------------------------------------------------------------- reports
 def _report(tau=2.0, alpha=(0.8, 0.5, None), label=None):
-    cat = {"num_prompts": 1, "tau": tau, "alpha": list(alpha), "tokens_per_s": 10.0, "baseline_tokens_per_s": 5.0, "speedup": 2.0, "greedy_match": "1/1"}
+    cat = {"num_prompts": 1, "tau": tau, "tau_prompt_mean": tau + 0.25, "alpha": list(alpha), "tokens_per_s": 10.0, "baseline_tokens_per_s": 5.0, "speedup": 2.0, "greedy_match": "1/1"}
     return {**cat, "num_prompts": 2, "label": label, "method": "chain", "k": 3, "drafter": "ngram", "data": "x.jsonl",
             "temperature": 0.0, "max_new_tokens": 8, "categories": {"writing": cat, "coding": {**cat, "alpha": [0.9]}}}
 
@@ -80,7 +94,9 @@ def test_write_report_json_markdown_png(tmp_path):
     paths = write_report(_report(label="step 300"), out, history=history)
     assert read_json(paths["json"])["label"] == "step 300"
     md = paths["markdown"].read_text()
-    assert "| all | 2 | 2.00 | 0.80 | 0.50 | - |" in md and "| coding |" in md and "| writing |" in md
+    assert "| all | 2 | 2.00 | 2.25 | 0.80 | 0.50 | - |" in md and "| coding |" in md and "| writing |" in md
+    assert "| category | prompts | τ pooled over all steps (vLLM) | τ mean of per-prompt τ (SpecForge) | α1 |" in md
+    assert "| all | 2 | 1.50 | - |" in markdown_table({"num_prompts": 2, "tau": 1.5, "alpha": [0.5]})  # an older report
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["eval.json", "eval.md", "eval.png"]  # no temp files left
     table = markdown_table(_report())
@@ -221,6 +237,11 @@ def test_evaluate_report(tiny_llama, tmp_path):
     assert rep["speedup"] == pytest.approx(rep["tokens_per_s"] / rep["baseline_tokens_per_s"])
     cats = rep["categories"]
     assert sum(c["num_steps"] for c in cats.values()) == steps
+    # SpecForge's tau: the mean of the per-prompt taus, per category too
+    assert rep["tau_prompt_mean"] == pytest.approx(sum(p["tau"] for p in rep["prompts"]) / 3)
+    code = [p["tau"] for p in rep["prompts"] if p["category"] == "code"]
+    assert cats["code"]["tau_prompt_mean"] == pytest.approx(sum(code) / 2)
+    assert set(TAU_LABELS) <= set(rep)
     json.dumps(rep)
 
     tree = evaluate(tiny_llama, NgramProposer(), prompts[:1], DynamicTree(3, 2, 8), max_new_tokens=8,
