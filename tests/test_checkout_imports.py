@@ -1,8 +1,10 @@
-"""The checkout imports itself. Run from the repository root, Python finds the checkout's draftlab/
-folder before any installed copy (the current directory comes first on sys.path), and that folder
-holds none of the subpackages pyproject.toml maps from the top-level folders: they must be found
-from it with a regular (wheel) install as well as with the editable one."""
+"""The checkout stands on its own. It imports itself: run from the repository root, Python finds
+the checkout's draftlab/ folder before any installed copy (the current directory comes first on
+sys.path), and that folder holds none of the subpackages pyproject.toml maps from the top-level
+folders: they must be found from it with a regular (wheel) install as well as with the editable
+one. And it names no path outside itself."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +29,21 @@ def test_the_root_imports_the_checkout_without_the_editable_finder():
                      "if 'editable' not in getattr(f, '__module__', '')]; ")
     res = subprocess.run([sys.executable, "-c", drop_editable + IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120)
     _expect_checkout_files(res)
+
+
+# a folder beside the checkout, or a path of one machine (a temporary or home directory)
+OUTSIDE = re.compile(r"\.\./shared|[\"']shared[\"']|/work/|/tmp/|/home/|/root/|/mnt/")
+SCANNED = ("draftlab", "data", "models", "losses", "train", "inference", "kernels", "export", "bench", "recipes", "scripts")
+
+
+def test_nothing_outside_the_repository_is_named():
+    """Product code, recipes, benchmarks and their records cite files of the repository (and papers),
+    never ../shared or a path that exists on one machine only."""
+    files = [p for d in SCANNED for p in (REPO / d).rglob("*") if p.suffix in (".py", ".md", ".yaml", ".sh", ".toml")]
+    files += [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "pyproject.toml"]
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()[:120]}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
+    assert not hits, "\n".join(hits)
 
 
 @pytest.mark.slow
