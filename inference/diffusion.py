@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from draftlab.inference.proposer import PROPOSERS, Block, ChainDraft, OptionError, Proposer, RowProposers
-from draftlab.models.cpu_gemm import decoding_copy
+from draftlab.kernels.cpu_gemm import decoding_copy
 
 
 @PROPOSERS.register("diffusion")

@@ -18,7 +18,7 @@ import torch
 from draftlab.inference.proposer import (
     PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, RowProposers, StaticTree, check_decoding,
 )
-from draftlab.models.cpu_gemm import decoding_copy
+from draftlab.kernels.cpu_gemm import decoding_copy
 
 
 @PROPOSERS.register("eagle1", "eagle3")
@@ -27,7 +27,7 @@ class EagleProposer(Proposer):
 
     def __init__(self, drafter):
         # A frozen copy whose linears run the few-row products of decoding on the CPU's faster GEMM
-        # (models/cpu_gemm.py).
+        # (kernels/cpu_gemm.py).
         self.drafter = decoding_copy(drafter.eval())
         self.name = drafter.algorithm
         self.layers = tuple(drafter.capture_layers)

@@ -15,7 +15,7 @@ import torch
 from draftlab.inference.proposer import (
     PROPOSERS, Chain, ChainDraft, DraftTree, OptionError, Proposer, RowProposers, StaticTree, check_decoding,
 )
-from draftlab.models.cpu_gemm import decoding_copy
+from draftlab.kernels.cpu_gemm import decoding_copy
 
 
 @PROPOSERS.register("medusa")
@@ -24,7 +24,7 @@ class MedusaProposer(Proposer):
 
     def __init__(self, drafter):
         # A frozen copy whose linears run the 1-row products of decoding on the CPU's faster GEMM
-        # (models/cpu_gemm.py); the target's lm_head the drafter references is not copied.
+        # (kernels/cpu_gemm.py); the target's lm_head the drafter references is not copied.
         self.drafter = decoding_copy(drafter.eval())
         self.name = drafter.algorithm
         self.layers = tuple(drafter.capture_layers)

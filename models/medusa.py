@@ -97,7 +97,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int, num_heads: int, num_layers: int):
         super().__init__()
-        # plain sizes: a decoding copy (models/cpu_gemm.py) swaps the nn.Linear modules out
+        # plain sizes: a decoding copy (kernels/cpu_gemm.py) swaps the nn.Linear modules out
         self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
         self.blocks = nn.ModuleList([ResidualBlocks(hidden_size, num_layers) for _ in range(num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(hidden_size, draft_vocab_size, bias=False) for _ in range(num_heads)])

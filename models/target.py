@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
-from draftlab.models.cpu_gemm import ON_MKL, PACKED_MAX_ROWS, PackedLinear, RowPlan, measure_row_plan, packing_available
+from draftlab.kernels.cpu_gemm import ON_MKL, PACKED_MAX_ROWS, PackedLinear, RowPlan, measure_row_plan, packing_available
 from draftlab.models.layers import rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -95,7 +95,7 @@ def test_cached_forward_equals_hf_for_every_row_count(tiny_target_dirs, family):
     unpadded or padded with zero rows to a faster row count (whichever the machine measured:
     each plan is forced here; qwen2 has q/k/v biases), 4..64 rows packed, more rows MKL; and the
     HF modules' weights are views of the fused ones (one copy)."""
-    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, PAD_CANDIDATE_ROWS, RowPlan
+    from draftlab.kernels.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, PAD_CANDIDATE_ROWS, RowPlan
     from draftlab.models.target import Target
 
     target = Target.load(str(tiny_target_dirs[family]))
@@ -132,7 +132,7 @@ def test_row_plan_pads_to_a_faster_row_count_and_picks_the_faster_path():
     """From measured seconds: each row count on its faster path; one that a larger row count
     beats by more than 5 % runs as that one (the Zen 4's 2 rows, slower than 3 or 4); a pad that
     gains less, or a smaller row count that is faster, changes nothing."""
-    from draftlab.models.cpu_gemm import RowPlan, plan_from_times
+    from draftlab.kernels.cpu_gemm import RowPlan, plan_from_times
 
     packed = {1: 24.0, 2: 29.0, 3: 25.0, 4: 20.0, 5: 20.5, 6: 23.0}
     mkl = {1: 20.0, 2: 30.0, 3: 40.0}
@@ -152,7 +152,7 @@ def test_shared_lm_head_decodes_on_the_targets_packed_weights(tiny_llama):
     """A drafter's shared lm_head (EAGLE-1's head): no-grad products of a few rows take the
     target's packed lm_head, larger ones and any with grad take the plain weight (the packed
     product has no backward); all equal the lm_head, and it is one object per target."""
-    from draftlab.models.cpu_gemm import PACKED_MAX_ROWS, RowPlan
+    from draftlab.kernels.cpu_gemm import PACKED_MAX_ROWS, RowPlan
 
     target = tiny_llama
     head = target.shared_lm_head

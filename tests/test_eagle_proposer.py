@@ -150,7 +150,7 @@ def test_decoding_copy_computes_what_the_drafter_does(tiny_llama, algo):
     weights (or MKL where measured faster, or padded to a faster row count): same draft step for
     every row-count path; the
     drafter itself is untouched and the target's embedding and lm_head stay shared."""
-    from draftlab.models.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, DecodeLinear, RowPlan, decoding_copy
+    from draftlab.kernels.cpu_gemm import MKL_CANDIDATE_ROWS, PACKED_MAX_ROWS, DecodeLinear, RowPlan, decoding_copy
 
     d = _drafter(algo, tiny_llama).eval()
     c = decoding_copy(d)
