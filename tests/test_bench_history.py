@@ -1,11 +1,15 @@
 """bench/sections.py writes each benchmark's latest run in place of its BENCHMARKS.md section and moves
 the section it replaces to bench/HISTORY.md (newest first); it never appends a second copy."""
 
+import re
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
 from bench import sections
+
+REPO = Path(__file__).resolve().parent.parent
 
 PREFACE = "# draftlab benchmarks\n\nThree lines of preface.\nHistory: bench/HISTORY.md.\nScripts rewrite sections.\n"
 BATCH_OLD = (
@@ -139,3 +143,20 @@ def test_both_files_are_written_atomically(files, monkeypatch):
     monkeypatch.setattr(atomic, "write_text", lambda path, text: written.append(path) or write_text(path, text))
     sections.append_run("Speedup by batch size", datetime(2026, 11, 27, 9, 5), "bench.batch", [], "new")
     assert written == [history, bench]  # the history first: a kill in between loses no section
+
+
+def test_every_bench_script_is_indexed_with_its_section():
+    """Each script in bench/ (a module with a ``__main__`` block, run as ``python -m bench.<name>``) has
+    a row in BENCHMARKS.md's index, linking to its section (what it measures, when it last ran, the
+    command) once it has run; finished studies move to bench/archive/ instead."""
+    text = (REPO / "BENCHMARKS.md").read_text()
+    _, parts = sections._sections(text)
+    # GitHub's anchors: lower case, punctuation dropped, spaces as hyphens
+    by_anchor = {re.sub(r"[^\w\- ]", "", s.split("\n", 1)[0][3:].strip().lower()).replace(" ", "-"): s for s in parts}
+    rows = dict(re.findall(r"^\| `bench\.(\w+)` \| (.+) \|$", text, flags=re.M))
+    scripts = sorted(p.stem for p in (REPO / "bench").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+    assert len(scripts) >= 10 and [s for s in scripts if s not in rows] == []
+    links = {s: m.group(1) for s, cell in rows.items() if (m := re.match(r"\[[^\]]+\]\(#([^)]+)\)", cell))}
+    assert len(links) >= 10 and {s: a for s, a in links.items() if a not in by_anchor} == {}
+    for script, anchor in links.items():
+        assert all(f"\n{field}:" in by_anchor[anchor] for field in ("What", "Latest run", "Command")), script
