@@ -21,6 +21,7 @@ Sources (``load_conversations(source, ...)``):
 from __future__ import annotations
 
 import codecs
+import gzip
 import hashlib
 import json
 from collections import Counter
@@ -277,23 +278,31 @@ def iter_json_list(path: Path, report: LoadReport) -> Iterator[Any]:
             yield item
 
 
-def iter_jsonl(path: Path) -> Iterator[Any]:
-    """Yield one parsed JSON value per non-blank line; a broken line names file and line."""
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed JSON value)`` per non-blank line of a JSONL file, gzip-compressed
+    when its name ends in ``.gz``, streamed (a leading byte-order mark is skipped). The one JSONL
+    reader: a line that is not UTF-8 (its byte named) or not JSON is an error naming file and line."""
+    opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        f = open(path, encoding="utf-8-sig")
+        f = opener(path, "rb")
     except OSError as e:
         raise DraftlabError(f"cannot read data file {path}: {e.strerror}") from e
     with f:
         try:
-            for lineno, text in enumerate(f, 1):
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    byte = f"byte 0x{raw[e.start]:02x} at byte {e.start + 1}"
+                    raise DraftlabError(f"{path}:{lineno}: not valid UTF-8 ({byte})") from None
                 if not text.strip():
                     continue
                 try:
-                    yield json.loads(text)
+                    yield lineno, json.loads(text)
                 except json.JSONDecodeError as e:
-                    raise DraftlabError(f"data file {path}, line {lineno}: not valid JSON ({e.msg})") from None
-        except UnicodeDecodeError as e:
-            raise DraftlabError(f"data file {path} is not UTF-8 text") from e
+                    raise DraftlabError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except (OSError, EOFError) as e:  # a corrupt or truncated gzip stream
+            raise DraftlabError(f"cannot read data file {path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------- HF datasets
@@ -391,7 +400,7 @@ def iter_conversations(
     file = Path(where)
     if not file.is_file():
         raise DraftlabError(f"data file not found: {file}")
-    records = iter_jsonl(file) if file.suffix == ".jsonl" else iter_json_list(file, report)
+    records = (r for _, r in iter_jsonl(file)) if file.suffix == ".jsonl" else iter_json_list(file, report)
     yield from _accept(records, report, limit, None, max_chars)
 
 

@@ -17,13 +17,13 @@ smaller set.
 
 from __future__ import annotations
 
-import gzip
 import json
 import sys
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 
+from draftlab.data.sources import iter_jsonl
 from draftlab.errors import DraftlabError
 
 DATA_SETS = ("spec-bench", "sharegpt-heldout", "humaneval")
@@ -69,24 +69,13 @@ def valid_text(value: str, where: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
+    """A prompt file's records, read by the data stage's JSONL reader: a JSON object a line, at
+    least one."""
     records = []
-    try:
-        with opener(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DraftlabError(f"{path}:{n}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})") from None
-                if line.strip():
-                    rec = json.loads(line)
-                    if not isinstance(rec, dict):
-                        raise DraftlabError(f"{path}:{n}: each line must be a JSON object")
-                    records.append(rec)
-    except FileNotFoundError as e:
-        raise DraftlabError(f"prompt file not found: {path}") from e
-    except (json.JSONDecodeError, OSError) as e:
-        raise DraftlabError(f"{path}: not valid JSONL ({str(e).splitlines()[0]})") from e
+    for n, rec in iter_jsonl(path):
+        if not isinstance(rec, dict):
+            raise DraftlabError(f"{path}:{n}: each line must be a JSON object")
+        records.append(rec)
     if not records:
         raise DraftlabError(f"{path}: no prompts in file")
     return records

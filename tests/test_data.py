@@ -230,6 +230,26 @@ def test_jsonl_messages(tmp_path):
     assert rep.kept == 3 and dict(rep.bad) == {"unknown role": 1}
 
 
+def test_iter_jsonl_reads_gzip_and_names_the_bad_line(tmp_path):
+    """The one JSONL reader (data sources and prompt files): gzip by name, a byte-order mark
+    skipped, line numbers of the file; bad UTF-8 names line and byte, a cut gzip is one line."""
+    import gzip
+
+    plain, packed = tmp_path / "a.jsonl", tmp_path / "a.jsonl.gz"
+    text = '\ufeff{"x": 1}\n\n{"x": 2}\n'
+    plain.write_text(text, encoding="utf-8")
+    packed.write_bytes(gzip.compress(text.encode("utf-8")))
+    assert list(sources.iter_jsonl(plain)) == list(sources.iter_jsonl(packed)) == [(1, {"x": 1}), (3, {"x": 2})]
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(b'{"x": 1}\n{"x": "\xff"}\n')
+    with pytest.raises(DraftlabError, match=r"raw\.jsonl:2: not valid UTF-8 \(byte 0xff at byte 8\)"):
+        list(sources.iter_jsonl(raw))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(DraftlabError, match=r"cannot read data file .*cut\.jsonl\.gz"):
+        list(sources.iter_jsonl(cut))
+
+
 @pytest.mark.parametrize("kind", ["missing", "not_json", "not_list", "jsonl_broken", "corrupt_middle", "empty"])
 def test_bad_files_raise_naming_file(tmp_path, kind):
     if kind == "missing":
@@ -241,7 +261,7 @@ def test_bad_files_raise_naming_file(tmp_path, kind):
         path, match = tmp_path / "obj.json", "obj.json.*JSON list"
         path.write_text('{"conversations": []}')
     elif kind == "jsonl_broken":
-        path, match = tmp_path / "broken.jsonl", r"broken\.jsonl, line 3"
+        path, match = tmp_path / "broken.jsonl", r"broken\.jsonl:3: not valid JSON"
         ok = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
         path.write_text(f"{ok}\n{ok}\n{{\"messages\": [\n{ok}\n")
     elif kind == "corrupt_middle":
