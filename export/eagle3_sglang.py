@@ -16,6 +16,13 @@ the layout SpecForge trains and exports.
   id), so ``eagle_config.eagle_aux_hidden_state_layer_ids = [i - 1 for i in aux_layers]``;
   draftlab's default ``[2, L//2, L-3]`` becomes SpecForge's ``[1, L//2-1, L-4]``. Without the
   key SGLang captures ``[2, L//2, L-3]`` directly (no shift).
+* EAGLE-3.1 (checked against SpecForge 0.2.0's ``LlamaForCausalLMEagle3``): ``fc_norm: true`` and
+  ``fc_norm.{0,1,2}.weight`` carry the per-state norms before ``fc`` as draftlab names them.
+  SpecForge's ``norm_output`` is another flag under the same name: whether ``lm_head`` reads
+  ``norm(h)`` (its default, true; draftlab's head always does), while the next step is always fed
+  the un-normed state. So a drafter trained with ``norm_output`` (the normalised state fed on)
+  has no SpecForge form and is refused, and the key is not written (a reader of speculators'
+  meaning then sees false, which is right for every drafter this exports).
 """
 
 from __future__ import annotations
@@ -49,6 +56,11 @@ class SGLangEagle3(Format):
                 "(additional_layers) drop the residual between layers, so only 1-layer drafters export exactly"
             )
         serving_aux_ids(drafter.aux_layers, drafter.num_target_layers, "SGLang")
+        if drafter.norm_output:
+            raise DraftlabError(
+                "--to sglang: drafter.norm_output feeds the normalised state to the next draft step; SpecForge's "
+                "LlamaForCausalLMEagle3 always feeds the un-normed one (its norm_output only places the norm before lm_head)"
+            )
 
     def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
         s = drafter.shape
@@ -60,6 +72,7 @@ class SGLangEagle3(Format):
             architectures=["LlamaForCausalLMEagle3"],
             draft_vocab_size=drafter.lm_head.out_features,
             target_hidden_size=s.hidden_size,
+            fc_norm=drafter.fc_norm is not None,
             eagle_config={
                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.aux_layers],
                 "use_aux_hidden_state": True,
@@ -81,7 +94,8 @@ class SGLangEagle3(Format):
             "SGLang captures the input of layer id+1 (SpecForge's convention).",
             "The first (only) decoder layer is stored as `midlayer.*`; `t2d` is included although SGLang ignores it.",
             "No `embed_tokens.weight`: SGLang's EAGLE worker uses the target's embedding.",
-        ]
+        ] + (["EAGLE-3.1 `fc_norm: true` (`fc_norm.{0,1,2}.weight`): serve with an SGLang whose EAGLE-3 model reads "
+              "fc_norm, as SpecForge 0.2.0's does; one that does not skips those tensors silently."] if config["fc_norm"] else [])
 
     def import_meta(self, config, tensors, target):
         where = "SGLang config.json"
@@ -93,6 +107,10 @@ class SGLangEagle3(Format):
             raise DraftlabError(f"{where}: SGLang's LlamaForCausalLMEagle3 has no q/k/v bias or q/k norm; this config declares them")
         if cfg.num_hidden_layers != 1:
             raise DraftlabError(f"{where}: num_hidden_layers = {cfg.num_hidden_layers}; only 1-layer drafters have draftlab's semantics")
+        if config.get("norm_output", True) is not True:  # SpecForge's default: lm_head reads norm(h)
+            raise DraftlabError(f"{where}: norm_output = {config['norm_output']!r} (lm_head reading the un-normed state) is not implemented by draftlab")
+        if type(config.get("fc_norm", False)) is not bool:
+            raise DraftlabError(f"{where}: fc_norm = {config['fc_norm']!r} must be true or false")
         if cfg.tie_word_embeddings:
             raise DraftlabError(f"{where}: tie_word_embeddings = true (SGLang would use the embedding as lm_head)")
         if shape.hidden_size != target.hidden_size or getattr(cfg, "target_hidden_size", shape.hidden_size) != target.hidden_size:
@@ -121,6 +139,7 @@ class SGLangEagle3(Format):
             "aux_layers": aux,
             "num_layers": 1,
             "num_target_layers": L,
+            "fc_norm": config.get("fc_norm", False),
         }
 
 

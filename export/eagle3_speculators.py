@@ -13,6 +13,10 @@ Checked against speculators 0.9.0 (``Eagle3SpeculatorConfig``, ``Eagle3DraftMode
   Qwen3-family drafters (q/k RMSNorm) are refused: vLLM's Llama layer has no q/k norm.
 * ``norm_before_residual`` is written explicitly as ``false`` (draftlab's residual is the
   un-normed fused feature): vLLM defaults a missing key to ``true``, speculators to ``false``.
+* EAGLE-3.1's ``fc_norm`` (``fc_norm.{i}.weight``, one RMSNorm per aux state before ``fc``) and
+  ``norm_output`` (the state after ``norm`` is both what ``lm_head`` reads and what the next draft
+  step is fed) are speculators' fields of the same names and meanings, written as the drafter has
+  them; ``norm_before_fc`` (one norm over the concatenation) is not draftlab's and stays false.
 * Aux layers: speculators' ``eagle_aux_hidden_state_layer_ids`` and vLLM's
   ``aux_hidden_state_layers`` index the *input* of decoder layer i (vLLM appends
   ``hidden_states + residual`` before running layer i) — HF ``hidden_states[i]``, which is
@@ -42,7 +46,8 @@ from draftlab.export.formats import (
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
 # Architecture flags of speculators' Eagle3 model draftlab's EAGLE-3 does not implement: each
 # must be false (norm_before_residual: draftlab's residual is the un-normed fused feature).
-UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
+EAGLE31_FLAGS = ("fc_norm", "norm_output")  # EAGLE-3.1: the same fields on both sides
 
 
 class SpeculatorsEagle3(Format):
@@ -78,8 +83,8 @@ class SpeculatorsEagle3(Format):
             "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layers),
             "norm_before_residual": False,
             "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            "fc_norm": drafter.fc_norm is not None,
+            "norm_output": drafter.norm_output,
             "embed_requires_grad": False,
             "tie_word_embeddings": False,
         }
@@ -97,6 +102,8 @@ class SpeculatorsEagle3(Format):
             "(the input of decoder layer i), the convention of speculators, vLLM and draftlab's `aux_layers` - no shift.",
             "`norm_before_residual: false` is written explicitly (vLLM defaults a missing key to true).",
             "No `embed_tokens.weight`: vLLM shares the target's embedding, as draftlab does.",
+            f"EAGLE-3.1 flags as trained: `fc_norm: {str(config['fc_norm']).lower()}`, "
+            f"`norm_output: {str(config['norm_output']).lower()}` (vLLM's eagle3 reads both from this config).",
         ] + (["Qwen2-style q/k/v biases are kept; `o_proj.bias` is written as zeros (Llama layers with `attention_bias` have one)."] if drafter.shape.attention_bias else [])
 
     # ---- import -----------------------------------------------------------------
@@ -107,6 +114,10 @@ class SpeculatorsEagle3(Format):
         on = [f for f in UNSUPPORTED_FLAGS if config.get(f, False)]  # speculators' defaults are false
         if on:
             raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's EAGLE-3")
+        flags = {f: config.get(f, False) for f in EAGLE31_FLAGS}
+        bad = [f"{f} = {v!r}" for f, v in flags.items() if type(v) is not bool]
+        if bad:
+            raise DraftlabError(f"{where}: {', '.join(bad)} must be true or false")
         tl = config.get("transformer_layer_config")
         if not isinstance(tl, dict):
             raise DraftlabError(f"{where}: transformer_layer_config must be a dict")
@@ -133,6 +144,7 @@ class SpeculatorsEagle3(Format):
             "aux_layers": list(aux),
             "num_layers": num_layers,
             "num_target_layers": L,
+            **flags,
         }
 
 

@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
 
 from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
 from draftlab.models.drafter import (
@@ -108,14 +109,31 @@ class Eagle3Config(BaseModel):
     init_lm_head_from_target: bool = Field(True, description="start lm_head from the target's rows of the draft vocab")
     normalize_fc_input: bool = Field(
         True,
-        description="scale each fused input channel by 1/RMS measured on training data (folded into fc.weight on export)",
+        description="scale each fused input channel by 1/RMS measured on training data (folded into fc.weight on export); "
+        "off by default when fc_norm is on",
     )
+    fc_norm: bool = Field(False, description="EAGLE-3.1: a learned RMSNorm on each fused target hidden state before fc")
+    norm_output: bool = Field(
+        False, description="EAGLE-3.1: the next draft step reads the normalised output state (the one lm_head reads)"
+    )
+
+    @model_validator(mode="after")
+    def _one_input_normalisation(self):
+        # fc_norm normalises each fused state itself, and a fixed scale in front of it would not
+        # fold into fc on export (the norm divides by the scaled state's RMS)
+        if self.fc_norm and self.normalize_fc_input:
+            if "normalize_fc_input" in self.model_fields_set:
+                raise PydanticCustomError("fc_norm", "fc_norm and normalize_fc_input both normalise fc's input; set one")
+            self.normalize_fc_input = False
+        return self
 
 
 class Eagle3Meta(EagleMeta):
     draft_vocab_size: DraftVocabSize
     aux_layers: Annotated[list[HiddenStateIndex], Distinct()]  # fc's input order: any, each once
     normalize_fc_input: StrictBool = False
+    fc_norm: StrictBool = False
+    norm_output: StrictBool = False
 
 
 class Eagle3Loss(BaseModel):
@@ -140,13 +158,16 @@ class Eagle3Drafter(EagleBase):
 
     def __init__(
         self, shape: LayerShape, vocab_size: int, draft_vocab_size: int, aux_layers: list[int], num_layers: int,
-        normalize_fc_input: bool = False,
+        normalize_fc_input: bool = False, fc_norm: bool = False, norm_output: bool = False,
     ):
         super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, fuse_embedding=True))
         H = shape.hidden_size
         self.aux_layers = list(aux_layers)
         # a fixed per-channel 1/RMS in front of fc (models/feature_scale.py), folded into fc on export
         self.register_buffer("fc_input_scale", torch.ones(len(aux_layers) * H) if normalize_fc_input else None)
+        # EAGLE-3.1: one learned RMSNorm per fused state, named as speculators and SpecForge name them
+        self.fc_norm = nn.ModuleList([RMSNorm(H, shape.rms_norm_eps) for _ in aux_layers]) if fc_norm else None
+        self.norm_output = norm_output
         self.num_target_layers = None  # set by build/from_meta; hidden[L] gives the target logits
         self.fc = nn.Linear(len(aux_layers) * H, H, bias=False)
         self.norm = RMSNorm(H, shape.rms_norm_eps)
@@ -178,6 +199,8 @@ class Eagle3Drafter(EagleBase):
             "num_layers": cfg.num_layers,
             "num_target_layers": L,
             "normalize_fc_input": cfg.normalize_fc_input,
+            "fc_norm": cfg.fc_norm,
+            "norm_output": cfg.norm_output,
         }
 
     def init_weights(self, cfg: Eagle3Config, target, samples=None) -> None:
@@ -197,6 +220,8 @@ class Eagle3Drafter(EagleBase):
             "num_layers": len(self.layers),
             "num_target_layers": self.num_target_layers,
             "normalize_fc_input": self.fc_input_scale is not None,
+            "fc_norm": self.fc_norm is not None,
+            "norm_output": self.norm_output,
         }
 
     def export_state_dict(self):
@@ -220,7 +245,7 @@ class Eagle3Drafter(EagleBase):
     def from_meta(cls, meta: dict, target) -> "Eagle3Drafter":
         m = cls(
             LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"],
-            meta["normalize_fc_input"],
+            meta["normalize_fc_input"], meta["fc_norm"], meta["norm_output"],
         )
         m.num_target_layers = meta["num_target_layers"]
         return m.attach(target)
@@ -231,13 +256,22 @@ class Eagle3Drafter(EagleBase):
         return sorted(set(self.aux_layers) | {self.num_target_layers})
 
     def features(self, hidden):
-        x = torch.cat([hidden[i] for i in self.aux_layers], dim=-1)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(hidden[i]) for norm, i in zip(self.fc_norm, self.aux_layers)], dim=-1)
+        else:
+            x = torch.cat([hidden[i] for i in self.aux_layers], dim=-1)
         if self.fc_input_scale is not None:
             x = x * self.fc_input_scale
         return self.fc(x)
 
+    def stack(self, emb, h, positions, attend_for_layer):
+        """The layers' output; with ``norm_output`` already through ``norm``, so the next draft
+        step (and the next TTT step) reads the normalised state, as EAGLE-3.1 serves it."""
+        h = super().stack(emb, h, positions, attend_for_layer)
+        return self.norm(h) if self.norm_output else h
+
     def head(self, h):
-        return self.lm_head(self.norm(h))
+        return self.lm_head(h if self.norm_output else self.norm(h))
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]

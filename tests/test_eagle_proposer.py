@@ -7,7 +7,8 @@ import torch
 
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.eagle import EagleProposer
-from draftlab.inference.proposer import PROPOSERS, Chain, DynamicTree, StaticTree
+from draftlab.inference.proposer import PROPOSERS
+from draftlab.inference.shapes import Chain, DynamicTree, StaticTree
 from draftlab.inference.tree import validate_tree
 from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
 
@@ -18,6 +19,12 @@ def _drafter(algo, target):
     samples = [{"input_ids": torch.randint(0, target.vocab_size, (32,), generator=g), "loss_mask": torch.ones(32, dtype=torch.bool)} for _ in range(4)]
     if algo == "eagle3":
         return Eagle3Drafter.build(Eagle3Config(draft_vocab_size=96), target, samples)
+    if algo == "eagle3.1":  # fc_norm and norm_output on, the norms' gains away from 1 so they matter
+        d = Eagle3Drafter.build(Eagle3Config(draft_vocab_size=96, fc_norm=True, norm_output=True), target, samples)
+        with torch.no_grad():
+            for norm in [*d.fc_norm, d.norm]:
+                norm.weight.uniform_(0.5, 1.5, generator=g)
+        return d
     return Eagle1Drafter.build(Eagle1Config(), target, samples)
 
 
@@ -40,7 +47,7 @@ def test_registered_for_both_families():
     assert PROPOSERS.get("eagle1") is PROPOSERS.get("eagle3") is EagleProposer
 
 
-@pytest.mark.parametrize("algo", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("algo", ["eagle1", "eagle3", "eagle3.1"])
 @pytest.mark.parametrize("method", list(SHAPES))
 def test_eagle_greedy_equals_plain(tiny_llama, algo, method):
     d = _drafter(algo, tiny_llama)

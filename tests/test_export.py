@@ -86,9 +86,15 @@ def _perturb(drafter, seed=1):
     return drafter.eval()
 
 
-def _eagle3(target, num_layers=1, aux=None, vd=64):
+def _eagle3(target, num_layers=1, aux=None, vd=64, fc_norm=False, norm_output=False):
     aux = aux or [1, target.num_layers // 2, target.num_layers - 1]
-    return _perturb(Eagle3Drafter.build(Eagle3Config(num_layers=num_layers, draft_vocab_size=vd, aux_layers=aux), target, _samples(target)))
+    cfg = Eagle3Config(num_layers=num_layers, draft_vocab_size=vd, aux_layers=aux, fc_norm=fc_norm, norm_output=norm_output)
+    return _perturb(Eagle3Drafter.build(cfg, target, _samples(target)))
+
+
+# EAGLE-3.1's flags (fc_norm, norm_output), each alone and together
+FLAGS = {"eagle3": {}, "fc_norm": {"fc_norm": True}, "norm_output": {"norm_output": True},
+         "eagle3.1": {"fc_norm": True, "norm_output": True}}
 
 
 def _save(drafter, target, path, metrics=None, recipe=None):
@@ -130,17 +136,21 @@ def _speculators_model(out, target):
     return spec.Eagle3DraftModel(cfg).eval()
 
 
-@pytest.mark.parametrize("case", ["llama3-rope-2-layers", "qwen2-bias"])
-def test_speculators_model_loads_export_and_matches(case, rope_llama, qwen2_target, tmp_path):
+@pytest.mark.parametrize("case,flags", [("llama3-rope-2-layers", "eagle3"), ("qwen2-bias", "eagle3"),
+                                        *(("llama3-rope-2-layers", f) for f in ("fc_norm", "norm_output", "eagle3.1"))])
+def test_speculators_model_loads_export_and_matches(case, flags, rope_llama, qwen2_target, tmp_path):
     target, layers = (rope_llama, 2) if case.startswith("llama3") else (qwen2_target, 1)
     torch.manual_seed(0)
-    d = _eagle3(target, num_layers=layers)
+    d = _eagle3(target, num_layers=layers, **FLAGS[flags])
     out = export_checkpoint(_save(d, target, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", target)
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == d.aux_layers  # same (HF hidden_states) convention
     assert config["norm_before_residual"] is False and config["speculators_config"]["verifier"]["name_or_path"]
+    on = FLAGS[flags]
+    assert (config["fc_norm"], config["norm_output"]) == (on.get("fc_norm", False), on.get("norm_output", False))
 
     m = _speculators_model(out, target)
+    assert (m.fc_norm is not None, m.config.norm_output) == (config["fc_norm"], config["norm_output"])
     exported = load_file(out / "model.safetensors")
     model_keys = set(m.state_dict())
     # nothing exported is skipped; nothing the model has is left unset except what speculators
@@ -171,22 +181,31 @@ def test_speculators_model_loads_export_and_matches(case, rope_llama, qwen2_targ
 
 
 # ---------------------------------------------------------------------------- SpecForge (SGLang)
-def test_specforge_model_loads_sglang_export_and_matches(rope_llama, tmp_path, monkeypatch):
+@pytest.fixture
+def no_dynamo():
+    """SpecForge wraps RMSNorm/RoPE in torch.compile; compiling on CPU is slow and beside the
+    point. (monkeypatch.setattr would delete the flag from torch's config module on undo.)"""
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_specforge_model_loads_sglang_export_and_matches(fc_norm, rope_llama, tmp_path, no_dynamo):
     sf = pytest.importorskip("specforge.modeling.draft.llama3_eagle")
     from transformers import LlamaConfig
 
-    # SpecForge wraps RMSNorm/RoPE in torch.compile; compiling on CPU is slow and beside the point
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     target = rope_llama
     torch.manual_seed(0)
-    d = _eagle3(target, num_layers=1)
+    d = _eagle3(target, num_layers=1, fc_norm=fc_norm)
     out = export_checkpoint(_save(d, target, tmp_path / "ckpt"), "sglang", tmp_path / "sglang", target)
     config = json.loads((out / "config.json").read_text())
+    assert config["fc_norm"] is fc_norm and "norm_output" not in config  # SpecForge's default: lm_head reads norm(h)
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in d.aux_layers]  # SGLang: id+1
     L = 32  # a real depth (the tiny target's 4 layers map two defaults to one)
     assert [i - 1 for i in Eagle3Drafter.default_aux_layers(L)] == [1, L // 2 - 1, L - 4]  # = SpecForge's default
 
     m = sf.LlamaForCausalLMEagle3(LlamaConfig(**config)).eval()
+    assert (m.fc_norm is not None) is fc_norm and m.norm_output is True
     exported = load_file(out / "model.safetensors")
     model_keys = set(m.state_dict())
     # SGLang skips unknown names silently: the sets must agree exactly (the embedding is the target's)
@@ -260,14 +279,17 @@ def _outputs(drafter, target, ids):
     return _eagle1_forward(drafter, target, ids)[0]
 
 
-@pytest.mark.parametrize("engine,fmt,family", [("vllm", "speculators", "llama"), ("vllm", "speculators", "qwen2"), ("sglang", "sglang", "llama"), ("sglang", "eagle", "llama")])
-def test_round_trip_export_import_is_identical(engine, fmt, family, tiny_llama, qwen2_target, tmp_path):
+@pytest.mark.parametrize("engine,fmt,family,flags", [
+    ("vllm", "speculators", "llama", "eagle3"), ("vllm", "speculators", "qwen2", "eagle3"), ("sglang", "sglang", "llama", "eagle3"),
+    ("sglang", "eagle", "llama", "eagle3"), ("vllm", "speculators", "llama", "eagle3.1"), ("sglang", "sglang", "llama", "fc_norm"),
+])
+def test_round_trip_export_import_is_identical(engine, fmt, family, flags, tiny_llama, qwen2_target, tmp_path):
     target = tiny_llama if family == "llama" else qwen2_target
     torch.manual_seed(0)
     if fmt == "eagle":
         d = _perturb(Eagle1Drafter.build(Eagle1Config(num_layers=2), target))
     else:
-        d = _eagle3(target, num_layers=2 if fmt == "speculators" else 1, aux=[1, 2, 3])
+        d = _eagle3(target, num_layers=2 if fmt == "speculators" else 1, aux=[1, 2, 3], **FLAGS[flags])
     out = export_checkpoint(_save(d, target, tmp_path / "ckpt"), engine, tmp_path / "exp", target)
     back = import_checkpoint(out, fmt, tmp_path / "imported", target)
     d2, meta = ckpt.load_drafter(back, target)
@@ -370,6 +392,8 @@ def test_export_refuses_another_target_and_cli_exits_2(tiny_llama, tiny_target_d
         ("vllm", lambda t: _eagle3(t, aux=[1, 2, 4]), r"captures target hidden states 1\.\.3"),
         ("vllm", lambda t: _eagle3(t, aux=[1, 3, 2]), "each once and in ascending order"),  # engines feed fc ascending
         ("vllm", lambda t: _perturb(Eagle1Drafter.build(Eagle1Config(), t)), "fc without bias"),
+        # SpecForge feeds the next step the un-normed state whatever its norm_output says
+        ("sglang", lambda t: _eagle3(t, norm_output=True), "drafter.norm_output feeds the normalised state"),
     ],
 )
 def test_export_refuses_what_the_layout_cannot_hold(engine, build, match, tiny_llama, tmp_path):

@@ -125,15 +125,17 @@ def test_drafters_train_on_every_family(tiny_target_dirs, family, algo):
     assert target.embed_tokens.weight.grad is None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family):
+@pytest.mark.parametrize("family,eagle31", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family, eagle31):
     """Step i of training at position t must equal what the cached inference path computes
     when it drafts i tokens after position t (teacher-forced with the true tokens). This pins
-    the TTT attention pattern and the RoPE offsets."""
+    the TTT attention pattern and the RoPE offsets (and, for EAGLE-3.1, which state a step
+    hands the next)."""
     torch.manual_seed(0)
     target = Target.load(str(tiny_target_dirs[family]))
     samples = _samples(target, T=12)
-    d = Eagle3Drafter.build(Eagle3Config(num_layers=2, draft_vocab_size=64), target, samples).eval()
+    cfg = Eagle3Config(num_layers=2, draft_vocab_size=64, fc_norm=eagle31, norm_output=eagle31)
+    d = Eagle3Drafter.build(cfg, target, samples).eval()
     ids = samples[0]["input_ids"][None]
     hidden = target(ids, layers=d.capture_layers, logits=None).hidden
     steps = 4
@@ -149,6 +151,68 @@ def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family):
                 tok = ids[:, t + 1 + i : t + 2 + i]
                 h, _ = d.draft_step(tok, h, torch.tensor([[t + i]]), cache)
                 torch.testing.assert_close(h[0, 0], train_h[i][0, t], atol=1e-5, rtol=1e-5)
+
+
+def test_eagle31_flags_config_and_computation(tiny_llama, tmp_path):
+    """fc_norm: one RMSNorm per fused state before fc (it replaces the measured fc input scale);
+    norm_output: the layers' output goes through ``norm`` once, and that normalised state is
+    both what lm_head reads and what the next step is fed. Both default off, and round-trip
+    through a checkpoint."""
+    from pydantic import ValidationError
+
+    from draftlab import atomic
+    from draftlab import checkpoint as ckpt
+
+    assert not Eagle3Config().fc_norm and not Eagle3Config().norm_output and Eagle3Config().normalize_fc_input
+    assert Eagle3Config(fc_norm=True).normalize_fc_input is False  # the default gives way
+    with pytest.raises(ValidationError, match="fc_norm and normalize_fc_input"):
+        Eagle3Config(fc_norm=True, normalize_fc_input=True)
+
+    torch.manual_seed(0)
+    samples = _samples(tiny_llama)
+    d = Eagle3Drafter.build(Eagle3Config(draft_vocab_size=64, fc_norm=True, norm_output=True), tiny_llama, samples).eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert d.fc_input_scale is None and len(d.fc_norm) == len(d.aux_layers)
+    assert {f"fc_norm.{i}.weight" for i in range(len(d.aux_layers))} <= set(d.export_state_dict())
+    ids = samples[0]["input_ids"][None, :10]
+    hidden = tiny_llama(ids, layers=d.capture_layers, logits=None).hidden
+    H, eps = tiny_llama.hidden_size, d.shape.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    with torch.no_grad():
+        fused = torch.cat([rms(hidden[i], n.weight) for n, i in zip(d.fc_norm, d.aux_layers)], -1)
+        torch.testing.assert_close(d.features(hidden), fused @ d.fc.weight.T, atol=1e-5, rtol=1e-5)
+        steps = [h for _, h in d.unroll(ids, hidden, 2)]
+        # each step's output is normalised, and its logits are lm_head of that state, not normed twice
+        raw = _stack_before_output_norm(d, ids, d.features(hidden))
+        torch.testing.assert_close(steps[0], rms(raw, d.norm.weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d.head(steps[0]), steps[0] @ d.lm_head.weight.T, atol=1e-5, rtol=1e-5)
+        # step 1 is fed the normalised step-0 state: off with norm_output, the same weights differ
+        d.norm_output = False
+        assert not torch.allclose([h for _, h in d.unroll(ids, hidden, 2)][1], steps[1], atol=1e-3)
+        d.norm_output = True
+
+    meta = ckpt.checkpoint_meta(d, tiny_llama.identity, None, 1, None)
+    assert meta["drafter"]["fc_norm"] is True and meta["drafter"]["norm_output"] is True
+    with atomic.directory(tmp_path / "c") as tmp:
+        ckpt.save_weights(tmp, d.state_dict(), meta)
+    back, _ = ckpt.load_drafter(tmp_path / "c", tiny_llama)
+    with torch.no_grad():
+        torch.testing.assert_close([h for _, h in back.unroll(ids, hidden, 2)][1], steps[1])
+
+
+def _stack_before_output_norm(d, ids, feats):
+    """The layer stack without EAGLE-3.1's output norm: step 0 of the unroll before ``norm``."""
+    from draftlab.losses.eagle import shift_left
+    from draftlab.models.eagle import EagleBase
+
+    T = ids.shape[1]
+    return EagleBase.stack(d, d.embed(shift_left(ids, 1)), feats, torch.arange(T)[None],
+                           lambda i, attn: lambda q, k, v: attn.attend(q, k, v, causal=True))
 
 
 def test_draft_vocab_and_lm_head_init(tiny_llama):
