@@ -206,6 +206,24 @@ def write_files(files: Mapping[Path, bytes], durable: bool = False) -> list[Path
     return [Path(p) for p in files]
 
 
+def create_new(path, data) -> bool:
+    """Create ``path`` holding ``data`` unless it exists: False (and nothing written) when it does.
+    The file appears whole (a temporary hard-linked into place; a link never replaces a file, on
+    NFS too), so a reader never sees it half-written: what lock files are made with."""
+    path = Path(path)
+    fd, tmp = _temp(path)
+    try:
+        _fill(fd, data, path, durable=False)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        raise error(path, e) from None
+    finally:
+        _remove(tmp)
+
+
 def append_text(path, text: str, durable: bool = False) -> Path:
     """Append ``text`` to ``path`` (a log: JSONL records). A failed append is cut back off, so
     the file holds whole records only."""
@@ -302,6 +320,20 @@ def publish(tmp: Path, final: Path) -> None:
             os.replace(tmp, final)
     except OSError as e:
         raise error(final, e) from None
+
+
+def restore_replaced(old: Path) -> None:
+    """A ``.old-NAME`` left by :func:`publish` (killed between its two renames): put back as NAME
+    when NAME is missing, else removed (NAME is its finished replacement)."""
+    old = Path(old)
+    final = old.with_name(old.name.removeprefix(".old-"))
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        try:
+            os.replace(old, final)
+        except OSError as e:
+            raise error(final, e) from None
 
 
 @contextlib.contextmanager

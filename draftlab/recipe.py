@@ -77,6 +77,24 @@ class TrainSpec(Strict):
     time_limit_minutes: float | None = Field(
         None, gt=0, description="stop (with a checkpoint) once training has run this long; resume continues"
     )
+    skip_nonfinite: int = Field(
+        0, ge=0, description="optimizer steps with a non-finite loss or gradient norm to skip (logged) before the run "
+        "stops at the next one; 0: stop at the first"
+    )
+    preempt_signals: list[str] = Field(
+        ["SIGTERM", "SIGUSR1"], description="signals that preempt the run: finish the step, checkpoint, exit 75 (relaunch resumes)"
+    )
+
+    @field_validator("preempt_signals")
+    @classmethod
+    def _catchable_signals(cls, names):
+        import signal
+
+        for name in names:
+            if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+                raise PydanticCustomError("preempt_signals", "{name} is not a signal a process can catch (e.g. SIGTERM, SIGUSR1)",
+                                          {"name": repr(name)})
+        return names
 
 
 class TreeEvalSpec(Strict):
@@ -200,13 +218,15 @@ class Recipe(Strict):
 
     def fingerprint(self) -> str:
         """Hash of what determines the training trajectory (resume refuses a different one).
-        Run-length knobs (max_steps, epochs, time limit, checkpointing, logging, eval) and the
-        output dir are excluded so a run can be extended or evaluated differently."""
+        Run-length knobs (max_steps, epochs, time limit, checkpointing, logging, eval, preemption
+        signals, skip_nonfinite) and the output dir are excluded so a run can be extended, evaluated
+        differently, or relaunched past a non-finite step."""
         d = self.model_dump(mode="json")
         d.pop("output_dir")
         d.pop("eval")
         d.pop("logging")
-        for k in ("max_steps", "epochs", "time_limit_minutes", "checkpoint_every", "keep_last", "log_every"):
+        for k in ("max_steps", "epochs", "time_limit_minutes", "checkpoint_every", "keep_last", "log_every", "skip_nonfinite",
+                  "preempt_signals"):
             d["train"].pop(k)
         d["train"].pop("precision")  # "auto" depends on the machine: resume checks the precision it resolved to
         if d["capture"]["group_tokens"] is None:  # train.batch_tokens, hashed already (and runs from before it keep their hash)

@@ -6,6 +6,10 @@ or offline shards) -> ``drafter(batch, hidden, loss_cfg)`` -> backward with accu
 AdamW, warmup + cosine -> metrics (JSONL always; TensorBoard / wandb when asked) ->
 checkpoints every N steps (atomic, keep-last-K + best) -> acceptance evaluation hook.
 
+Faults: before each optimizer step every rank agrees, in one small all-reduce, whether any rank's
+loss or gradient norm is non-finite (the run stops there, or skips up to ``train.skip_nonfinite``
+such steps) and whether any rank was signalled to stop (``train/preemption.py``: checkpoint, exit).
+
 Determinism: the data order is a pure function of (seed, epoch), the data position is a pure
 function of the optimizer step, and RNG states are checkpointed per rank, so a killed run
 relaunched with the same command ends with the same weights as an uninterrupted one.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +34,7 @@ from draftlab.data.dataset import batches_by_tokens, collate, pad_id
 from draftlab.errors import DraftlabError
 from draftlab.train import backends, hooks, optimizer_state, rng
 from draftlab.train.metrics_log import MetricLogger
+from draftlab.train.preemption import EXIT_PREEMPTED, Preemption
 from draftlab.train.rank_failures import RankFailures
 
 
@@ -80,10 +86,16 @@ class Trainer:
         if self.rewrites and not self.opt_state.replicated:
             # each rank would generate a different number of steps, each gathering sharded weights: a hang
             raise DraftlabError(f"{self.rewrites}: the drafter generates with its whole weights, which FSDP and ZeRO-3 shard: use DDP or ZeRO-1/2")
+        if t.skip_nonfinite and self.opt_state.layout.startswith("zero"):
+            raise DraftlabError("train.skip_nonfinite: DeepSpeed steps its optimizer inside backward, before a step can be "
+                                "skipped: use DDP or FSDP, or train.skip_nonfinite=0")
         self.drafter = drafter
         self.step = 0
         self.elapsed = 0.0  # training seconds over all resumed runs
         self.best_tau = None
+        self.skipped = 0  # non-finite steps skipped over all resumed runs (train.skip_nonfinite)
+        self.preemption = Preemption()
+        self.preempted_by: str | None = None  # the signal that stopped this run, once it has
 
     # ------------------------------------------------------------------ data
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -129,6 +141,8 @@ class Trainer:
             # the main process writes.
             weights = self.accelerator.get_state_dict(self.model)
             with failures.caught():
+                if main:  # the step check keeps them finite; this guards what it cannot see (DeepSpeed steps in backward)
+                    _refuse_nonfinite(weights, self.step)
                 self.opt_state.save(trainer_dir)
             failures.raise_if_any()
             with failures.caught():
@@ -140,7 +154,8 @@ class Trainer:
                     write_json(
                         trainer_dir / ckpt.STATE,
                         {"step": self.step, "elapsed_s": self.elapsed, "world_size": self.world, "optimizer_layout": self.opt_state.layout,
-                         "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau, "precision": self.precision["train"]},
+                         "fingerprint": self.recipe.fingerprint(), "best_tau": self.best_tau, "precision": self.precision["train"],
+                         "skipped_nonfinite": self.skipped},
                     )
                     publish(staging, final)
             failures.raise_if_any()
@@ -155,11 +170,14 @@ class Trainer:
         return final
 
     def clean_leftovers(self) -> None:
-        """Staging directories of a run killed while writing a checkpoint (never read)."""
+        """Staging directories of a run killed while writing a checkpoint (never read), and the
+        previous ``best`` of one killed between the two renames that replace it (put back)."""
         d = self.run_dir / "checkpoints"
         if self.accelerator.is_main_process and d.is_dir():
             for p in list(d.glob(".staging-*")) + list(d.glob(".tmp-*")):
                 shutil.rmtree(p, ignore_errors=True)
+            for old in d.glob(".old-*"):
+                atomic.restore_replaced(old)
 
     def resume(self) -> None:
         """Continue from the last checkpoint in ``output_dir``. Everything read back is checked
@@ -192,6 +210,7 @@ class Trainer:
             rng_file = last / "trainer" / f"rng-rank{self.rank}.json"
             rng.set_state(ckpt.read_json(rng_file), rng_file)
         self.step, self.elapsed, self.best_tau = state["step"], float(state["elapsed_s"]), state.get("best_tau")
+        self.skipped = state.get("skipped_nonfinite", 0)
         if self.accelerator.is_main_process:
             print(f"resumed from {last} (step {self.step})", flush=True)
 
@@ -234,65 +253,11 @@ class Trainer:
             logger = MetricLogger(self.run_dir, self.recipe, main)
         failures.raise_if_any()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=f"train {self.recipe.algorithm}", dynamic_ncols=True)
-        stream = self.micro_batches(self.step)
-        last_metrics: dict = {}
-        started = time.perf_counter() - self.elapsed
-        out_of_time = False
         startup_s = _process_age()  # process start to this process's first step: logged with that step
         self.model.train()
         try:  # the bar ends its line whatever happens: an error then starts a line of its own
-            while self.step < self.total_steps and not out_of_time:
-                t0 = time.perf_counter()
-                tokens = 0
-                agg: dict = {}
-                for m in range(t.grad_accum):
-                    epoch, indices = next(stream)
-                    batch = collate([self.samples[i] for i in indices], self.pad_id)
-                    batch = {k: v.to(self.target.device) for k, v in batch.items()}
-                    if self.rewrites:
-                        batch = self.drafter.rewrite_batch(batch, self.loss_cfg, self.micro_batch_seed(m))
-                    hidden, batch = self.feature_source.features(indices, batch)
-                    # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
-                    with self.accelerator.accumulate(self.model):
-                        loss, metrics = self.model(batch, hidden, self.loss_cfg)
-                        self.accelerator.backward(loss)
-                    tokens += int(batch["attention_mask"].sum())
-                    _accumulate(agg, {"loss": loss.item(), **metrics}, t.grad_accum)
-                grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
-                self.opt.step()
-                self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
-                self.step += 1
-                dt = time.perf_counter() - t0
-                self.elapsed = time.perf_counter() - started
-                if self.world > 1:  # log the loss of the global batch, not rank 0's share
-                    agg["loss"] = self.accelerator.reduce(torch.tensor(agg["loss"], device=self.accelerator.device), "mean").item()
-                    tokens = int(self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), "sum").item())
-                tok_s = tokens / dt
-                last_metrics = {
-                    "step": self.step,
-                    "epoch": epoch,
-                    **agg,
-                    "lr": self.sched.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tokens": tokens,
-                    "tokens_per_s": tok_s,
-                    "step_s": dt,
-                    "elapsed_s": self.elapsed,
-                    **({"startup_s": startup_s} if startup_s is not None else {}),
-                }
-                if self.step % t.log_every == 0 or self.step == self.total_steps or startup_s is not None:
-                    with failures.caught():
-                        logger.log(last_metrics)
-                    failures.raise_if_any()
-                startup_s = None
-                acc = agg.get("acc", [])
-                bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
-                bar.update(1)
-                # out of time on the last step is no stop: the run is complete
-                out_of_time = self.step < self.total_steps and bool(t.time_limit_minutes) and self.elapsed >= t.time_limit_minutes * 60
-                if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
-                    self.checkpoint_and_eval(last_metrics, logger)
+            with self.preemption.installed(t.preempt_signals):
+                last_metrics, out_of_time = self._steps(bar, logger, startup_s)
         finally:
             bar.close()
         if self.world > 1 and self.opt_state.replicated:  # FSDP / ZeRO-3 keep only a shard of each weight per rank
@@ -302,12 +267,153 @@ class Trainer:
                 logger.log({"step": self.step, "weights_in_sync": last_metrics["weights_in_sync"]})
             logger.close()
         failures.raise_if_any()
-        if main and out_of_time:
+        if self.preempted_by:
+            last_metrics["preempted_by"] = self.preempted_by
+        if main and self.preempted_by:
+            print(f"preempted by {self.preempted_by} at step {self.step}/{self.total_steps}: checkpoint "
+                  f"{ckpt.step_dir(self.run_dir, self.step)} written; relaunch the same command to resume (exit status "
+                  f"{EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        elif main and out_of_time:
             print(f"stopped at step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min (train.time_limit_minutes); "
                   "relaunch the same command to continue", flush=True)
         elif main:
             print(f"training complete: step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min", flush=True)
         return last_metrics
+
+    def _steps(self, bar, logger: MetricLogger, startup_s: float | None) -> tuple[dict, bool]:
+        """Optimizer steps until the last, a preemption or the time limit: (the last step's
+        metrics, whether out of time)."""
+        t = self.recipe.train
+        failures = RankFailures(self.accelerator)
+        stream = self.micro_batches(self.step)
+        last_metrics: dict = {}
+        started = time.perf_counter() - self.elapsed
+        out_of_time = False
+        while self.step < self.total_steps and not out_of_time:
+            t0 = time.perf_counter()
+            tokens = 0
+            agg: dict = {}
+            bad_loss = None  # this rank's first non-finite micro-batch loss: (value, its samples)
+            for m in range(t.grad_accum):
+                epoch, indices = next(stream)
+                batch = collate([self.samples[i] for i in indices], self.pad_id)
+                batch = {k: v.to(self.target.device) for k, v in batch.items()}
+                if self.rewrites:
+                    batch = self.drafter.rewrite_batch(batch, self.loss_cfg, self.micro_batch_seed(m))
+                hidden, batch = self.feature_source.features(indices, batch)
+                # syncs (DDP) / steps (DeepSpeed) on the last micro-batch; backward scales the loss by 1/grad_accum
+                with self.accelerator.accumulate(self.model):
+                    loss, metrics = self.model(batch, hidden, self.loss_cfg)
+                    self.accelerator.backward(loss)
+                tokens += int(batch["attention_mask"].sum())
+                value = loss.item()
+                if bad_loss is None and not math.isfinite(value):
+                    bad_loss = (value, indices)
+                _accumulate(agg, {"loss": value, **metrics}, t.grad_accum)
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.clip_grad_norm)
+            nonfinite, signalled = self.check_step(bad_loss, grad_norm)
+            if nonfinite is None:
+                self.opt.step()
+            else:
+                self.skip_or_stop(nonfinite, bar)
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.step += 1
+            dt = time.perf_counter() - t0
+            self.elapsed = time.perf_counter() - started
+            if self.world > 1:  # log the loss of the global batch, not rank 0's share
+                agg["loss"] = self.accelerator.reduce(torch.tensor(agg["loss"], device=self.accelerator.device), "mean").item()
+                tokens = int(self.accelerator.reduce(torch.tensor(tokens, device=self.accelerator.device), "sum").item())
+            tok_s = tokens / dt
+            last_metrics = {
+                "step": self.step,
+                "epoch": epoch,
+                **agg,
+                "lr": self.sched.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "tokens": tokens,
+                "tokens_per_s": tok_s,
+                "step_s": dt,
+                "elapsed_s": self.elapsed,
+                **({"startup_s": startup_s} if startup_s is not None else {}),
+            }
+            if nonfinite is not None:  # a skipped step's record says why, without the non-finite numbers
+                last_metrics = {k: v for k, v in last_metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
+                last_metrics["skipped_nonfinite"] = nonfinite
+            for hook in hooks.after_step:
+                hook(self)
+            if self.step % t.log_every == 0 or self.step == self.total_steps or startup_s is not None or nonfinite is not None:
+                with failures.caught():
+                    logger.log(last_metrics)
+                failures.raise_if_any()
+            startup_s = None
+            acc = agg.get("acc", [])
+            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), tok_s=f"{tok_s:.0f}")
+            bar.update(1)
+            if signalled:  # every rank knows: any rank's signal counted in the step check
+                # a checkpoint and nothing more (no evaluation): the scheduler's grace period is short
+                self.save(last_metrics)
+                self.prune()
+                if self.step < self.total_steps:
+                    self.preempted_by = self.preemption.signal
+                break
+            # out of time on the last step is no stop: the run is complete
+            out_of_time = self.step < self.total_steps and bool(t.time_limit_minutes) and self.elapsed >= t.time_limit_minutes * 60
+            if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
+                self.checkpoint_and_eval(last_metrics, logger)
+        return last_metrics, out_of_time
+
+    def check_step(self, bad_loss: tuple[float, list[int]] | None, grad_norm) -> tuple[str | None, bool]:
+        """Every rank, before each optimizer step: (what is non-finite in this step on any rank, or
+        None; whether any rank was signalled to stop). One all-reduce of two numbers; the details
+        are gathered only for a bad step."""
+        bad_norm = grad_norm is not None and not math.isfinite(float(grad_norm))
+        flags = torch.tensor([float(bad_loss is not None or bad_norm), float(self.preemption.signal is not None)],
+                             device=self.accelerator.device)
+        if self.world > 1:
+            flags = self.accelerator.reduce(flags, "sum")
+        signalled = bool(flags[1] > 0)
+        if signalled and self.world > 1:  # once per run: which signal, to which process
+            from accelerate.utils import gather_object
+
+            got = [(r, name) for r, name in enumerate(gather_object([self.preemption.signal])) if name]
+            if got and self.preemption.signal is None:
+                self.preemption.signal = f"{got[0][1]} (to process {got[0][0]})"
+        if not flags[0] > 0:
+            return None, signalled
+        mine = None
+        if bad_loss is not None:
+            value, samples = bad_loss
+            few = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
+            mine = f"loss ({value}) on process {self.rank}, micro-batch of training samples [{few}]"
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            everyone = gather_object([mine])
+        else:
+            everyone = [mine]
+        # the gradient norm is of the whole (all-reduced) gradient: the same on every rank
+        parts = [x for x in everyone if x] + ([f"gradient norm ({float(grad_norm)})"] if bad_norm else [])
+        return "; ".join(parts), signalled
+
+    def skip_or_stop(self, nonfinite: str, bar) -> None:
+        """A step whose loss or gradient norm is not finite: skipped (its optimizer step left out)
+        while ``train.skip_nonfinite`` allows, else a one-line DraftlabError on every rank. Either
+        way its gradients never reach the weights, so no checkpoint or report holds them."""
+        t = self.recipe.train
+        step = self.step + 1
+        if self.skipped < t.skip_nonfinite:
+            self.skipped += 1
+            if self.accelerator.is_main_process:
+                bar.write(f"step {step}: non-finite {nonfinite}: step skipped ({self.skipped} of train.skip_nonfinite={t.skip_nonfinite})")
+            return
+        found = ckpt.list_checkpoints(self.run_dir)
+        skipped = f" after {self.skipped} skipped (train.skip_nonfinite)" if t.skip_nonfinite else ""
+        raise DraftlabError(
+            f"step {step}: non-finite {nonfinite}{skipped}; the run stops without updating or checkpointing its weights "
+            f"(last checkpoint: {found[-1].name if found else 'none'}): lower train.lr, or relaunch with "
+            f"train.skip_nonfinite=N to skip up to N such steps"
+        )
 
     def check_weights_in_sync(self) -> bool:
         """DDP / ZeRO-1,2 invariant: every rank ends with bit-identical weights (compared by digest)."""
@@ -343,6 +449,12 @@ class Trainer:
                         self.mark_best(path, report["tau"])
             failures.raise_if_any()  # also the barrier: the other ranks wait for the evaluation
         self.prune()
+
+
+def _refuse_nonfinite(weights: dict, step: int) -> None:
+    for name, w in weights.items():
+        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+            raise DraftlabError(f"step {step}: drafter weight '{name}' holds NaN or infinite values: not checkpointed")
 
 
 def _process_age() -> float:
