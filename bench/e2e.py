@@ -77,7 +77,8 @@ from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
 from bench.sections import append_benchmarks
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.evaluate import check_decoding_options
+from draftlab.cli_decode import FLAGS
+from draftlab.inference.decoding_spec import DecodingSpec, check_spec
 from draftlab.inference.proposer import Chain, DynamicTree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -460,7 +461,8 @@ def parse_args(argv):
     if min(args.num_prompts, args.max_new_tokens, args.k, args.reps, args.tree_depth, args.tree_topk, args.tree_total) < 1:
         p.error("--num-prompts, --max-new-tokens, --k, --reps and the tree flags must be >= 1")
     try:  # the same ranges draftlab eval checks
-        check_decoding_options(args)
+        tree = dict(depth=args.tree_depth, top_k=args.tree_topk, total_tokens=args.tree_total)
+        check_spec(DecodingSpec(k=args.k, min_confidence=args.min_confidence, tree=tree, max_new_tokens=args.max_new_tokens), FLAGS)
     except DraftlabError as e:
         p.error(str(e))
     if args.drafter is not None and not Path(args.drafter).is_dir():

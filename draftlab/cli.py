@@ -1,5 +1,6 @@
 """The ``draftlab`` console command. Each subcommand lives with its stage and exposes
-``add_arguments(parser)`` and ``run(args)``; this file only wires them up."""
+``add_arguments(parser)`` and ``run(args)``: its module does, or, where a module holds several
+(``module:name``), the object of that name; this file only wires them up."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import sys
 
 from draftlab.errors import DraftlabError
 
-# name -> (module, help)
+# name -> (module or module:object, help)
 SUBCOMMANDS = {
     "capture": ("draftlab.data.capture_cli", "capture target hidden states into offline shards"),
     "train": ("draftlab.train.launch", "train a drafter of any family from a recipe YAML"),
-    "eval": ("draftlab.inference.evaluate", "speculative decoding acceptance report (alpha_j, tau, speedup)"),
-    "generate": ("draftlab.inference.generate", "interactive speculative generation with live acceptance"),
+    "eval": ("draftlab.cli_decode:eval_command", "speculative decoding acceptance report (alpha_j, tau, speedup)"),
+    "generate": ("draftlab.cli_decode:generate_command", "interactive speculative generation with live acceptance"),
     "export": ("draftlab.export.cli", "export a checkpoint for vLLM, SGLang or HF"),
     "import": ("draftlab.export.importer", "import a public drafter in any registered format"),
 }
@@ -28,14 +29,16 @@ def main(argv: list[str] | None = None) -> int:
         names = [argv[0]]
     else:
         names = list(SUBCOMMANDS)
-    modules = {}
+    commands = {}
     for name in names:
-        module_name, help_ = SUBCOMMANDS[name]
-        modules[name] = importlib.import_module(module_name)
-        modules[name].add_arguments(sub.add_parser(name, help=help_))
+        where, help_ = SUBCOMMANDS[name]
+        module_name, _, attr = where.partition(":")
+        module = importlib.import_module(module_name)
+        commands[name] = getattr(module, attr) if attr else module
+        commands[name].add_arguments(sub.add_parser(name, help=help_))
     args = parser.parse_args(argv)
     try:
-        return int(modules[args.command].run(args) or 0)
+        return int(commands[args.command].run(args) or 0)
     except DraftlabError as e:
         # one line whatever the message holds (a value quoted from a file or a flag may hold a newline)
         message = " ".join(str(e).splitlines())

@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from draftlab.data.dataset import DataSpec
 from draftlab.errors import DraftlabError
+from draftlab.inference.decoding_spec import DecodingSpec, check_spec, field_names
 
 
 class Strict(BaseModel):
@@ -97,96 +98,25 @@ class TrainSpec(Strict):
         return names
 
 
-class TreeEvalSpec(Strict):
-    depth: int = Field(5, ge=1)
-    top_k: int = Field(8, ge=1)
-    total_tokens: int = Field(48, ge=1)
+class EvalSpec(DecodingSpec):
+    """The after-checkpoint report: a decoding spec (the same type ``draftlab eval``'s flags
+    build, checked by the same :func:`~draftlab.inference.decoding_spec.check_spec`) and the
+    prompts it decodes."""
 
-
-class EvalSpec(Strict):
     enabled: bool = True
     data: str = Field("sharegpt-heldout", description="sharegpt-heldout | spec-bench | humaneval | FILE.jsonl")
     num_prompts: int = Field(8, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
-    method: Literal["chain", "tree", "static_tree", "block"] = Field(
-        "chain", description="draft shape: chain, tree (EAGLE-2 dynamic tree), static_tree or block"
-    )
-    k: int = Field(5, ge=1, description="chain and block: drafts per step")
-    min_confidence: float = Field(
-        0.0, ge=0, lt=1, description="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this"
-    )
-    tree: TreeEvalSpec = TreeEvalSpec()
-    static_tree: list[list[StrictInt]] | None = Field(
-        None, validate_default=True, description="static_tree: paths of candidate ranks from the root, e.g. [[0], [1], [0, 0]]"
-    )
-    temperature: float = Field(0.0, ge=0)
-    baseline: bool = Field(True, description="also time plain decoding for the speedup")
-    batch_sizes: list[int] | None = Field(
-        None, description="also measure speedup by batch size on the same prompts, e.g. [1, 4, 16] (needs baseline)"
-    )
-    adaptive: bool = Field(False, description="with batch_sizes: choose the chain's or block's draft length per step")
-    cuda_graphs: bool = Field(
-        False, description="replay the target's (and a draft LM's) decoding forwards as CUDA graphs: plain and speculative alike (CUDA only)"
-    )
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _batch_sizes(cls, sizes, info: ValidationInfo):
-        if sizes is None:
-            return sizes
-        if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
-            raise PydanticCustomError("batch_sizes", "expected distinct integers >= 1, e.g. [1, 4, 16]")
-        if not info.data.get("baseline", True):
-            raise PydanticCustomError("batch_sizes", "measures speedup over plain batched decoding: needs baseline true")
-        return sizes
-
-    @field_validator("adaptive")
-    @classmethod
-    def _adaptive(cls, value, info: ValidationInfo):
-        if value and (info.data.get("batch_sizes") is None or info.data.get("method", "chain") not in ("chain", "block")):
-            raise PydanticCustomError("adaptive", "needs batch_sizes and method chain or block")
-        return value
-
-    @field_validator("static_tree")
-    @classmethod
-    def _static_tree_for_its_method(cls, choices, info: ValidationInfo):
-        """Required by method static_tree, and a valid tree (checked now, not after training)."""
-        from draftlab.inference.proposer import StaticTree
-
-        if info.data.get("method") != "static_tree":
-            return choices
-        if choices is None:
-            raise PydanticCustomError("static_tree", "required when method is static_tree (paths of candidate ranks, e.g. [[0], [1], [0, 0]])")
-        try:
-            StaticTree(choices)
-        except DraftlabError as e:
-            raise PydanticCustomError("static_tree", str(e)) from None
-        return choices
-
-    @field_validator("min_confidence")
-    @classmethod
-    def _min_confidence_for_chains(cls, value, info: ValidationInfo):
-        if value and info.data.get("method", "chain") != "chain":
-            raise PydanticCustomError("min_confidence", "applies to method chain only")
-        return value
+    max_new_tokens: StrictInt = 64
 
     @model_validator(mode="after")
-    def _decoding_in_range(self):
-        """The decoder's one check of its options (``inference.proposer.check_decoding``)."""
-        from draftlab.inference.proposer import DynamicTree, check_decoding
-
+    def _checked(self):
+        """Checked when the recipe is read, not after training (named as the recipe's fields;
+        the recipe's ``seed`` is checked where it is the run's)."""
         try:
-            DynamicTree(**self.tree.model_dump())  # bounded whatever the method, as the CLI's flags
-            check_decoding(self.shape(), self.max_new_tokens, self.temperature, batch_sizes=self.batch_sizes)
+            check_spec(self, field_names("eval."))
         except DraftlabError as e:
-            raise PydanticCustomError("decoding", str(e)) from None
+            raise PydanticCustomError("decoding", "{message}", {"message": str(e)}) from None
         return self
-
-    def shape(self):
-        """The draft shape (``draftlab.inference.proposer``) this section asks for."""
-        from draftlab.inference.proposer import make_shape
-
-        return make_shape(self.method, self.k, self.min_confidence, self.tree.model_dump(), self.static_tree)
 
 
 class LoggingSpec(Strict):
@@ -238,6 +168,8 @@ def _format_error(e: ValidationError, prefix: str = "") -> str:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    if err["type"] == "decoding":  # check_spec's message names the field itself (eval.k)
+        return f"{err['msg']}{more}"
     return f"{loc or 'recipe'}: {err['msg']}{more}"
 
 

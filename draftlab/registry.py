@@ -1,12 +1,14 @@
 """Registries by name: drafter families, proposers, export formats and import formats.
 
 Each plug-in registers itself where it is defined (``@DRAFTERS.register`` on the drafter
-class, ``@PROPOSERS.register("eagle1", "eagle3")`` on its proposer, ...), so no shared module
-names a family. A lookup that misses imports the modules that define plug-ins once: every
-module of ``draftlab.models``, ``draftlab.inference`` and ``draftlab.export``, then the
-``draftlab.plugins`` entry points of installed packages (a third-party family ships its own
-modules and lists them there). A plug-in defined elsewhere, a test file for instance, is
-registered as soon as its module is imported.
+class, ``@PROPOSERS.register("eagle1", "eagle3")`` on its proposer, a trainer variant with
+``@TRAINERS.register("layerskip")`` in ``train/``, ...), so no shared module names a family. A
+lookup that misses imports the modules that may define plug-ins of its kind once: every module
+of the registry's packages (``draftlab.models``, ``draftlab.inference`` and ``draftlab.export``
+by default; ``draftlab.train`` for trainer variants), then the ``draftlab.plugins`` entry points
+of installed packages (a third-party family ships its own modules and lists them there). A
+plug-in defined elsewhere, a test file for instance, is registered as soon as its module is
+imported.
 """
 
 from __future__ import annotations
@@ -21,29 +23,31 @@ from draftlab.errors import DraftlabError
 T = TypeVar("T")
 PLUGIN_PACKAGES = ("draftlab.models", "draftlab.inference", "draftlab.export")
 ENTRY_POINT_GROUP = "draftlab.plugins"
-_discovered = False
+_discovered: set[str] = set()  # packages imported whole, and ENTRY_POINT_GROUP once its entry points are
 
 
-def discover() -> None:
-    """Import every module that may register a plug-in (once per process)."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
-    for package in PLUGIN_PACKAGES:
+def discover(packages: tuple[str, ...] = PLUGIN_PACKAGES) -> None:
+    """Import every module of ``packages`` and the entry points' modules (each once per process)."""
+    for package in packages:
+        if package in _discovered:
+            continue
+        _discovered.add(package)
         pkg = importlib.import_module(package)
         for info in pkgutil.iter_modules(pkg.__path__):
             importlib.import_module(f"{package}.{info.name}")
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        importlib.import_module(ep.value)
+    if ENTRY_POINT_GROUP not in _discovered:
+        _discovered.add(ENTRY_POINT_GROUP)
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            importlib.import_module(ep.value)
 
 
 class Registry(Generic[T]):
     """Named objects of one kind; ``kind`` names them in errors ("drafter family", ...);
-    ``key`` is the attribute that names an object registered without explicit names."""
+    ``key`` is the attribute that names an object registered without explicit names;
+    ``packages``: the packages whose modules register objects of this kind."""
 
-    def __init__(self, kind: str, key: str = "name"):
-        self.kind, self.key = kind, key
+    def __init__(self, kind: str, key: str = "name", packages: tuple[str, ...] = PLUGIN_PACKAGES):
+        self.kind, self.key, self.packages = kind, key, packages
         self._items: dict[str, T] = {}
 
     def register(self, *names: str) -> Callable[[T], T]:
@@ -63,16 +67,16 @@ class Registry(Generic[T]):
         """The object registered as ``name``; a DraftlabError naming ``where`` (a field or flag)
         and the known names otherwise."""
         if name not in self._items:
-            discover()
+            discover(self.packages)
         if name not in self._items:
             prefix = f"{where}: " if where else ""
             raise DraftlabError(f"{prefix}unknown {self.kind} '{name}' (known: {', '.join(self.names()) or 'none'})")
         return self._items[name]
 
     def names(self) -> list[str]:
-        discover()
+        discover(self.packages)
         return sorted(self._items)
 
     def items(self) -> list[tuple[str, T]]:
-        discover()
+        discover(self.packages)
         return sorted(self._items.items())

@@ -9,7 +9,7 @@ from draftlab.export.formats import engines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from draftlab.inference.proposer import MAX_K
+    from draftlab.limits import MAX_K
 
     p.add_argument("checkpoint", help="draftlab checkpoint directory (e.g. runs/x/checkpoints/step-0000500)")
     p.add_argument("--to", required=True, choices=engines(), help="serving engine whose layout to write (hf: draftlab's own layout)")
@@ -27,7 +27,7 @@ def run(args) -> int:
     from draftlab.export.formats import ExportOptions
     from draftlab.checkpoint import read_meta
 
-    from draftlab.inference.proposer import MAX_K
+    from draftlab.limits import MAX_K
 
     k, where = args.num_speculative_tokens, "--num-speculative-tokens"
     if k is None:

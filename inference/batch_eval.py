@@ -27,22 +27,19 @@ from draftlab.inference.decoder import Decoder, run_lockstep
 from draftlab.inference.draft_length import DraftLength, step_cost
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache
-from draftlab.inference.proposer import Block, Chain
+from draftlab.inference.proposer import Block, Chain, check_decoding
 
 
 def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
-    """``"1,2,4"`` -> [1, 2, 4] (a one-line error naming ``flag`` otherwise)."""
+    """``"1,2,4"`` -> [1, 2, 4]: distinct integers >= 1 (a one-line error naming ``flag``
+    otherwise). How a flag lists sizes; the bounds of batch sizes are ``check_decoding``'s."""
     try:
         sizes = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise DraftlabError(f"{flag}: expected comma-separated integers >= 1, e.g. 1,2,4,8, got '{text}'") from None
-    check_batch_sizes(sizes, flag)
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise DraftlabError(f"{flag}: expected distinct integers >= 1, e.g. 1,2,4,8, got {sizes}")
     return sizes
-
-
-def check_batch_sizes(sizes, field: str) -> None:
-    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
-        raise DraftlabError(f"{field}: expected distinct integers >= 1, e.g. 1,2,4,8, got {sizes}")
 
 
 @dataclass
@@ -102,7 +99,7 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
     """The ``batches`` section of a report: one entry per batch size, in the order given, for
     one proposer decoding with the target it is verified by (:meth:`Proposer.verifier`);
     ``cuda_graphs``: its forwards and plain decoding's replay captured graphs."""
-    from draftlab.inference.evaluate import graphed
+    from draftlab.inference.graphs import graphed
 
     speculations = {"": Speculation(proposer, shape, adaptive)}
     target, graphs = graphed(proposer.verifier(target), proposer, cuda_graphs)
@@ -124,7 +121,7 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
     plain decoding does, its verdict against it needs more steps than the grid gives."""
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
-    check_batch_sizes(list(batch_sizes), "batch sizes")
+    check_decoding(batch_sizes=list(batch_sizes))
     for spec in speculations.values():
         if spec.adaptive and not isinstance(spec.shape, (Chain, Block)):
             raise DraftlabError(f"an adaptive draft length applies to chain and block shapes, not {spec.shape.method}")

@@ -158,3 +158,19 @@ class GraphedTarget:
         """What ran how, for a decoding report: forwards replayed, shapes captured, forwards run
         eagerly by reason, the cache buffers (rows x slots)."""
         return {"mode": self.mode, **dict(self.stats), "caches": [[b.batch_size, b.max_len] for b, _ in self._buffers]}
+
+
+def graphed(target, proposer, on: bool):
+    """When ``on``: ``target`` and the proposer's own model (a draft LM's) with their decoding
+    forwards replayed as CUDA graphs, and a function giving their counts for a report (since
+    the proposer's model was first wrapped: wrapping is done once); else (target, None)."""
+    if not on:
+        return target, None
+    wrapped = {"target": GraphedTarget(target)}
+
+    def wrap(model):
+        wrapped["drafter"] = model if isinstance(model, GraphedTarget) else GraphedTarget(model)
+        return wrapped["drafter"]
+
+    proposer.use_graphs(wrap)
+    return wrapped["target"], lambda: {k: g.report() for k, g in wrapped.items()}

@@ -149,12 +149,7 @@ class DraftTree:
 # ---------------------------------------------------------------------- bounds of the decoding options
 # Every decoding option is checked against these before any work (:func:`check_decoding`, and each
 # shape at construction), so that no value reaches an allocation or a loop unbounded.
-MAX_K = 64  # chain and block: drafts per step
-MAX_TREE_NODES = 1024  # trees: draft nodes per step; also bounds tree depth, top-k and static-tree ranks
-MAX_NEW_TOKENS = 131072  # and, once the target is known, its positions less the longest prompt
-MAX_BATCH_SIZE = 1024
-TEMPERATURE_RANGE = (1e-4, 100.0)  # a sampling temperature; 0 = greedy
-SEED_RANGE = (-(2**63), 2**63 - 1)
+from draftlab.limits import MAX_BATCH_SIZE, MAX_K, MAX_NEW_TOKENS, MAX_TREE_NODES, SEED_RANGE, TEMPERATURE_RANGE  # noqa: E402,F401
 
 
 class OptionError(DraftlabError):

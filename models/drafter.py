@@ -345,7 +345,8 @@ class Drafter(nn.Module):
     # whether the family reads the target's frozen embedding besides its lm_head (:meth:`attach`)
     shares_embedding: ClassVar[bool] = False
     # False for a family with no weights to train (a search over the target's own layers): a
-    # recipe of it runs :meth:`fit` instead of the shared gradient loop
+    # recipe of it runs the trainer variant registered under its algorithm in train/
+    # (draftlab.train.variants.TRAINERS) instead of the shared gradient loop
     trains_weights: ClassVar[bool] = True
 
     def attach(self, target) -> "Drafter":
@@ -444,12 +445,6 @@ class Drafter(nn.Module):
         position it drafts, or no bound known. The adaptive draft length drafts no further
         (``inference/batch_eval.py``). Default: None."""
         return None
-
-    @classmethod
-    def fit(cls, recipe) -> dict:
-        """Train from ``recipe`` (a ``draftlab.recipe.Recipe``) when ``trains_weights`` is False:
-        the family's own run, checkpoints and reports in ``recipe.output_dir``; its final metrics."""
-        raise NotImplementedError
 
     # ---- what it reads from the target ------------------------------------------------
     @property

@@ -7,7 +7,8 @@ whether chains stop by Draft & Verify's adaptive draft exit, and the record of t
 chose the set (``train/layer_search.py``). The weights file is empty. Drafting reuses the target's
 own KV cache in the layers it runs (``inference/layerskip.py``).
 
-Training is that search, not gradient steps (``trains_weights`` is False): the recipe's ``loss``
+Training is that search, not gradient steps (``trains_weights`` is False; the search registers
+itself as the ``layerskip`` trainer variant, ``draftlab.train.variants``): the recipe's ``loss``
 section holds its objective (:class:`LayerSkipSearch`), ``train.max_steps`` and
 ``train.time_limit_minutes`` bound it.
 """
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, f
 from pydantic_core import PydanticCustomError
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import MAX_K
+from draftlab.limits import MAX_K
 from draftlab.models.drafter import DRAFTERS, Count, Distinct, Drafter, DrafterMeta, TargetNumLayers
 
 
@@ -123,9 +124,3 @@ class LayerSkip(Drafter):
     def meta(self) -> dict:
         return {"num_target_layers": self.num_target_layers, "skip": list(self.skip), "adaptive_exit": self.adaptive_exit,
                 "search": self.search}
-
-    @classmethod
-    def fit(cls, recipe) -> dict:
-        from draftlab.train.layer_search import run
-
-        return run(recipe)

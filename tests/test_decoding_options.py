@@ -353,3 +353,51 @@ def test_the_decoder_applies_the_same_check(tiny_llama, kw, needle):
         generate_plain(tiny_llama, [1, 2, 3], **args)
     with pytest.raises(DraftlabError, match=needle):
         Decoder(tiny_llama, NgramProposer()).generate([[1, 2, 3]], shape=Chain(2), **args)
+
+
+# ---------------------------------------------------------------------- one spec, one check
+@pytest.mark.parametrize("values, flag, field", [
+    (dict(method="tree", min_confidence=0.5), "--min-confidence sets a chain's draft length: use --method chain",
+     "eval.min_confidence sets a chain's draft length: use eval.method chain"),
+    (dict(static_tree=[[0]]), "--tree-choices applies to --method static_tree", "eval.static_tree applies to eval.method static_tree"),
+    (dict(method="static_tree", static_tree=[[1, 0]]), "--tree-choices: static tree: choice [1, 0] has no parent [1]",
+     "eval.static_tree: static tree: choice [1, 0] has no parent [1]"),
+    (dict(adaptive=True), "--adaptive chooses a chain's or block's draft length per step: it needs --batch-sizes",
+     "eval.adaptive chooses a chain's or block's draft length per step: it needs eval.batch_sizes"),
+    (dict(batch_sizes=[1, 2], baseline=False), "--batch-sizes measures speedup over plain batched decoding: drop --no-baseline",
+     "eval.batch_sizes measures speedup over plain batched decoding: drop eval.baseline false"),
+    (dict(batch_sizes=[2, 2]), "--batch-sizes must be distinct integers in 1..1024", "eval.batch_sizes must be distinct integers in 1..1024"),
+    (dict(method="tree", k=0), "--k must be an integer in 1..64, got 0", "eval.k must be an integer in 1..64, got 0"),
+    (dict(top_p=0.0), "--top-p must be in (0, 1]", "eval.top_p must be in (0, 1]"),
+])
+def test_flags_and_recipes_share_one_spec_and_one_check(values, flag, field):
+    """draftlab eval's flags and a recipe's eval section build one spec type, refused by one
+    check, each naming the option as its user wrote it."""
+    import re
+
+    from draftlab.cli_decode import FLAGS
+    from draftlab.errors import DraftlabError
+    from draftlab.inference.decoding_spec import OPTIONS, DecodingSpec, check_spec, field_names
+    from draftlab.recipe import EvalSpec
+
+    assert issubclass(EvalSpec, DecodingSpec) and set(OPTIONS) <= set(FLAGS)
+    spec = DecodingSpec(**values)
+    for names, message in ((FLAGS, flag), (field_names("eval."), field)):
+        with pytest.raises(DraftlabError, match=re.escape(message)) as e:
+            check_spec(spec, names)
+        assert "\n" not in str(e.value)
+    with pytest.raises(Exception, match=re.escape(field)):  # a recipe's section, as it is read
+        EvalSpec(**values)
+    check_spec(DecodingSpec())
+
+
+def test_cuda_graphs_need_a_cuda_device_whoever_asks():
+    from draftlab.cli_decode import FLAGS
+    from draftlab.errors import DraftlabError
+    from draftlab.inference.decoding_spec import DecodingSpec, check_spec
+
+    spec = DecodingSpec(cuda_graphs=True)
+    check_spec(spec, FLAGS, device="cuda:0")
+    check_spec(spec, FLAGS)  # the device not known yet: checked once it is
+    with pytest.raises(DraftlabError, match="--cuda-graphs: CUDA graphs need the target on a CUDA device, not cpu"):
+        check_spec(spec, FLAGS, device="cpu")

@@ -105,13 +105,15 @@ def test_recipe_eval_shapes(tmp_path):
 @pytest.mark.parametrize(
     "section, message",
     [
-        ({"method": "static_tree"}, "eval.static_tree: required when method is static_tree"),
+        # the rules of draftlab eval's flags (one check_spec), named as the recipe's fields
+        ({"method": "static_tree"}, "eval.method static_tree needs eval.static_tree (paths of candidate ranks"),
         ({"method": "static_tree", "static_tree": [[0, 1]]}, "eval.static_tree: static tree: choice [0, 1] has no parent [0]"),
-        ({"method": "tree", "min_confidence": 0.3}, "eval.min_confidence: applies to method chain only"),
+        ({"method": "tree", "min_confidence": 0.3}, "eval.min_confidence sets a chain's draft length: use eval.method chain"),
+        ({"method": "chain", "static_tree": [[0]]}, "eval.static_tree applies to eval.method static_tree"),
     ],
 )
 def test_recipe_eval_errors_are_one_line(tmp_path, section, message):
-    with pytest.raises(DraftlabError, match=message.replace("[", r"\[")) as e:
+    with pytest.raises(DraftlabError, match=message.replace("[", r"\[").replace("(", r"\(")) as e:
         _recipe(tmp_path, section)
     assert "\n" not in str(e.value)
 

@@ -266,3 +266,17 @@ def test_the_search_writes_a_checkpoint_that_loads_and_a_report(tmp_path, monkey
     scored = {(2, 3)} | {tuple(s) for s in fixed_sets(6, [0.25, 0.5]).values()}
     assert meta["drafter"]["skip"] == [2, 3] and meta["drafter"]["search"]["candidates"] == len(scored)
     assert LayerSkipConfig().skip is None
+
+
+def test_the_search_is_found_as_a_trainer_variant():
+    """models/layerskip.py names no training code: `draftlab train` finds the search among the
+    trainer variants registered in train/, the way families are found (a fresh process)."""
+    code = ("from draftlab.train.variants import TRAINERS; import sys; run = TRAINERS.get('layerskip'); "
+            "print(run.__module__, run.__name__, 'draftlab.train.layer_search' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.stdout.split() == ["draftlab.train.layer_search", "run", "True"], out.stderr
+    with pytest.raises(DraftlabError, match="algorithm: unknown trainer variant 'eagle3'"):
+        from draftlab.train.variants import TRAINERS
+
+        TRAINERS.get("eagle3", "algorithm")

@@ -1,26 +1,55 @@
 """Acceptance evaluation after every checkpoint: real speculative decoding on held-out prompts,
-through the same ``inference.evaluate`` that ``draftlab eval`` uses. Each report is written
-to ``<run>/eval/step-N.json`` (+ .md, .png) and ``<run>/eval/latest.*``, whose plot carries
-one alpha_j curve per checkpoint so far."""
+through the same harness that ``draftlab eval`` uses
+(:func:`~draftlab.inference.evaluate.acceptance_report`), with the recipe's ``eval:`` spec.
+Each report is written to ``<run>/eval/step-N.json`` (+ .md, .png) and ``<run>/eval/latest.*``,
+whose plot carries one alpha_j curve per checkpoint so far. :func:`report_checkpoint` and
+:func:`write_checkpoint_report` serve the trainer and the layer-skip search alike."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
+def report_checkpoint(recipe, target, prompts, proposer, checkpoint_dir, step: int, spec=None, label: str | None = None) -> dict:
+    """The report of ``proposer`` (loaded from ``checkpoint_dir``, or built for it) decoding
+    ``prompts`` by ``spec`` (default the recipe's ``eval:``), with its step and checkpoint, and
+    training's per-position accuracy beside the served acceptance: a gap between them is a
+    train/serve mismatch that must not go unseen (inference/report.py train_serve_gap)."""
+    from draftlab.checkpoint import read_meta
+    from draftlab.inference.evaluate import acceptance_report
+
+    report = acceptance_report(target, proposer, prompts, spec or recipe.eval, seed=recipe.seed,
+                               eos_token_id=target.tokenizer.eos_token_id, data=recipe.eval.data,
+                               label=label or f"step {step}")
+    report["step"], report["checkpoint"] = step, str(checkpoint_dir)
+    acc = (read_meta(checkpoint_dir).get("metrics") or {}).get("acc")
+    if isinstance(acc, list) and acc:
+        report["train_acc"] = acc
+    return report
+
+
+def write_checkpoint_report(recipe, report: dict, history: list[dict], note: str = "") -> None:
+    """``report`` as ``<run>/eval/step-N.*`` and ``latest.*`` (``history``: the other reports its
+    plot carries), and its table printed (``note``: more to print after it)."""
+    from draftlab.inference.report import markdown, write_report
+
+    out, e = Path(recipe.output_dir) / "eval", recipe.eval
+    write_report(report, out / f"step-{report['step']:07d}.json", history=history)
+    write_report(report, out / "latest.json", history=history)
+    print(f"\neval @ step {report['step']} ({e.data}, {len(report['prompts'])} prompts, {e.method}):\n{markdown(report)}{note}",
+          flush=True)
+
+
 class CheckpointEvaluator:
     def __init__(self, recipe, target, samples, drafter=None):
+        from draftlab.inference.decoding_spec import check_spec, field_names
         from draftlab.inference.prompts import load_prompts
-
         from draftlab.inference.proposer import PROPOSERS, check_shape
-
-        from draftlab.errors import DraftlabError
 
         self.recipe, self.target = recipe, target
         self.dir = Path(recipe.output_dir) / "eval"
         e = recipe.eval
-        if e.cuda_graphs and target.device.type != "cuda":
-            raise DraftlabError(f"eval.cuda_graphs: CUDA graphs need the target on a CUDA device, not {target.device}")
+        check_spec(e, field_names("eval."), seed=recipe.seed, device=target.device)  # now that the device is known
         # a shape the family cannot draft fails now, not after the first checkpoint
         proposer = PROPOSERS.get(recipe.algorithm, "algorithm")
         check_shape(e.shape(), proposer.shapes, recipe.algorithm)
@@ -47,45 +76,10 @@ class CheckpointEvaluator:
         return sorted(reports, key=lambda r: r.get("step", 0))
 
     def __call__(self, checkpoint_dir: Path) -> dict:
-        from draftlab.inference.evaluate import evaluate
         from draftlab.inference.proposer import load_proposer
-        from draftlab.checkpoint import read_meta
-        from draftlab.inference.report import markdown, write_report
 
-        e = self.recipe.eval
         step = int(Path(checkpoint_dir).name.split("-")[-1])
-        proposer = load_proposer(checkpoint_dir, self.target)
-        report = evaluate(
-            self.target,
-            proposer,
-            self.prompts,
-            shape=e.shape(),
-            max_new_tokens=e.max_new_tokens,
-            temperature=e.temperature,
-            seed=self.recipe.seed,
-            eos_token_id=self.target.tokenizer.eos_token_id,
-            baseline=e.baseline,
-            data=e.data,
-            label=f"step {step}",
-            cuda_graphs=e.cuda_graphs,
-        )
-        if e.batch_sizes:
-            from draftlab.inference.batch_eval import evaluate_batches
-
-            report["batches"] = evaluate_batches(
-                self.target, proposer, self.prompts, e.shape(), e.batch_sizes,
-                max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=self.recipe.seed,
-                eos_token_id=self.target.tokenizer.eos_token_id, adaptive=e.adaptive, cuda_graphs=e.cuda_graphs,
-            )
-        report["step"] = step
-        report["checkpoint"] = str(checkpoint_dir)
-        # training's per-position accuracy beside the served acceptance: a gap between them is
-        # a train/serve mismatch that must not go unseen (inference/report.py train_serve_gap)
-        acc = (read_meta(checkpoint_dir).get("metrics") or {}).get("acc")
-        if isinstance(acc, list) and acc:
-            report["train_acc"] = acc
-        history = [r for r in self.history() if r.get("step") != step]
-        write_report(report, self.dir / f"step-{step:07d}.json", history=history)
-        write_report(report, self.dir / "latest.json", history=history)
-        print(f"\neval @ step {step} ({e.data}, {len(self.prompts)} prompts, {e.method}):\n{markdown(report)}", flush=True)
+        report = report_checkpoint(self.recipe, self.target, self.prompts, load_proposer(checkpoint_dir, self.target),
+                                   checkpoint_dir, step)
+        write_checkpoint_report(self.recipe, report, [r for r in self.history() if r.get("step") != step])
         return report

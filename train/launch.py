@@ -39,8 +39,10 @@ def train_from_recipe(path: str, overrides: list[str], algorithms: tuple[str, ..
     writable_dir(recipe.output_dir, "output_dir")
     algo, drafter_cfg, loss_cfg = recipe.algorithm_configs()
     if not algo.trains_weights:  # nothing to train by gradient steps (a layer-set search): the family's own run
+        from draftlab.train.variants import TRAINERS
+
         with run_lock.held(recipe.output_dir):
-            return algo.fit(recipe)
+            return TRAINERS.get(recipe.algorithm, "algorithm")(recipe)
     if (field := algo.rewrites_batches(loss_cfg)) and recipe.capture.mode != "online":
         raise DraftlabError(f"{field}: the drafter generates its own training sequences, so capture.mode must be online, "
                             f"not {recipe.capture.mode}")

@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftlab.errors import DraftlabError
+from draftlab.train.variants import TRAINERS
 
 # the UCB model's noise variance and prior precision (SWIFT's GP takes alpha 1e-2)
 NOISE = 1e-2
@@ -273,11 +274,13 @@ def calibration_prompts(samples: list[dict], n: int, seed: int) -> list[list[int
     return prompts[:n]
 
 
+@TRAINERS.register("layerskip")
 def run(recipe) -> dict:
     """A layerskip recipe, from nothing to the checkpoint and its report."""
     from draftlab import atomic
     from draftlab import checkpoint as ckpt
     from draftlab.data.dataset import build_samples
+    from draftlab.inference.decoding_spec import check_spec, field_names
     from draftlab.inference.layerskip import LayerSkipProposer
     from draftlab.inference.proposer import check_shape
     from draftlab.inference.prompts import load_prompts
@@ -289,9 +292,10 @@ def run(recipe) -> dict:
         raise DraftlabError("layerskip: the layer search runs in one process: launch it with --num_processes 1")
     algo, cfg, search_cfg = recipe.algorithm_configs()
     run_dir, e = Path(recipe.output_dir), recipe.eval
-    if e.enabled:
-        check_shape(e.shape(), LayerSkipProposer.shapes, algo.algorithm)
     device = recipe.target.device if recipe.target.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if e.enabled:
+        check_spec(e, field_names("eval."), seed=recipe.seed, device=device)  # now that the device is known
+        check_shape(e.shape(), LayerSkipProposer.shapes, algo.algorithm)
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)  # one process: every core, as the trainer's launch gives a lone process
     print(f"draftlab: {algo.algorithm} search in {run_dir}, device {device}", flush=True)
@@ -359,7 +363,7 @@ def run(recipe) -> dict:
     if e.enabled:
         sets = {"searched": (chosen, path), "every other layer": (search.score(every_other_layer(L), "start"), None),
                 f"fixed {best_fixed[0]}": (best_fixed[1], None)}
-        report = _measure(recipe, target, prompts, sets, step, path, cfg.adaptive_exit)
+        report = _measure(recipe, target, prompts, sets, step, cfg.adaptive_exit)
         metrics["eval"] = {k: report[k] for k in ("tau", "a", "alpha", "speedup", "num_prompts") if k in report}
         logger.log({"step": step, "eval_tau": report["tau"], "eval_alpha": report["alpha"], "eval_speedup": report.get("speedup")})
         meta = ckpt.read_meta(path)
@@ -410,39 +414,33 @@ def _log(logger, search: LayerSearch, c: Candidate, t0: float) -> None:
                 "best_expected_speedup": search.best.speedup, "elapsed_s": time.perf_counter() - t0})
 
 
-def _measure(recipe, target, prompts, sets: dict, step: int, path: Path, adaptive_exit: bool) -> dict:
+def _measure(recipe, target, prompts, sets: dict, step: int, adaptive_exit: bool) -> dict:
     """Speculative decoding with each set on the held-out prompts (a set equal to one measured
     before is not decoded again); the searched set's report (written under ``output_dir/eval``,
-    the others in its ``compared`` section and its plot)."""
-    from draftlab.inference.evaluate import evaluate
+    the others in its ``compared`` section and its plot). Only the searched set is measured by
+    batch size too, when the recipe asks for it."""
+    from draftlab.inference.evaluate import acceptance_report
     from draftlab.inference.layerskip import LayerSkipProposer
     from draftlab.inference.proposer import load_proposer
-    from draftlab.inference.report import markdown, write_report
     from draftlab.models.layerskip import LayerSkip
+    from draftlab.train.evaluation import report_checkpoint, write_checkpoint_report
 
     e = recipe.eval
+    alone = e.model_copy(update={"batch_sizes": None, "adaptive": False})
     reports = {}
     for name, (cand, ckpt_dir) in sets.items():
         same = next((n for n, (c, _) in sets.items() if n in reports and c.skip == cand.skip), None)
         if same is not None:
             reports[name] = reports[same]
             continue
-        if ckpt_dir is not None:
-            proposer = load_proposer(ckpt_dir, target, e.shape())  # the searched set, as `draftlab eval` loads it
+        print(f"eval: {name}, skip {list(cand.skip)} ({len(prompts)} prompts)", flush=True)
+        if ckpt_dir is not None:  # the searched set, as `draftlab eval` loads it
+            reports[name] = report_checkpoint(recipe, target, prompts, load_proposer(ckpt_dir, target, e.shape()), ckpt_dir, step)
         else:
             proposer = LayerSkipProposer(LayerSkip(list(cand.skip), target.num_layers, adaptive_exit))
-        print(f"eval: {name}, skip {list(cand.skip)} ({len(prompts)} prompts)", flush=True)
-        reports[name] = evaluate(target, proposer, prompts, shape=e.shape(), max_new_tokens=e.max_new_tokens,
-                                 temperature=e.temperature, seed=recipe.seed, eos_token_id=target.tokenizer.eos_token_id,
-                                 baseline=e.baseline, data=e.data, label=f"step {step}" if ckpt_dir else name)
+            reports[name] = acceptance_report(target, proposer, prompts, alone, seed=recipe.seed,
+                                              eos_token_id=target.tokenizer.eos_token_id, data=e.data, label=name)
     report = reports["searched"]
-    if e.batch_sizes:
-        from draftlab.inference.batch_eval import evaluate_batches
-
-        report["batches"] = evaluate_batches(target, load_proposer(path, target), prompts, e.shape(), e.batch_sizes,
-                                             max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=recipe.seed,
-                                             eos_token_id=target.tokenizer.eos_token_id, adaptive=e.adaptive)
-    report["step"], report["checkpoint"] = step, str(path)
     measured = ("tau", "a", "alpha", "speedup", "greedy_match", "tokens_per_s", "baseline_tokens_per_s")
     report["compared"] = {
         name: {"skip": list(cand.skip), "proxy": cand.score, "expected_speedup": cand.speedup,
@@ -450,11 +448,7 @@ def _measure(recipe, target, prompts, sets: dict, step: int, path: Path, adaptiv
         for name, (cand, _) in sets.items()
     }
     others = list({id(r): r for r in reports.values() if r is not report}.values())
-    out = Path(recipe.output_dir) / "eval"
-    write_report(report, out / f"step-{step:07d}.json", history=others)
-    write_report(report, out / "latest.json", history=others)
-    print(f"\neval @ step {step} ({e.data}, {len(prompts)} prompts, {e.method}):\n{markdown(report)}\n"
-          f"{comparison_table(report['compared'])}", flush=True)
+    write_checkpoint_report(recipe, report, others, note=f"\n{comparison_table(report['compared'])}")
     return report
 
 
