@@ -17,6 +17,8 @@ is divided by N_b, the number of blocks with at least one counted position.
     (c) ce_streak: sum_j sg(prod_{i<j} a_i) l_j                    (SpecDiff-2)
     (d) dpace:     sum_j sg(W_j) l_j,  W_j = sum_{k>=j} prod_{i<=k} ((1-alpha) a_i + alpha)
                                                                    (D-PACE, speculators)
+    (e) nla, lk_hybrid: sum_j w_j LK_j, (a) with each slot's CE replaced by an LK acceptance
+                   loss (losses/acceptance.py; ``kl`` per slot: the CE less the target's entropy)
 
 Why (c) and (d) weight slots this way: dE/dlog a_j = sum_{k>=j} prod_{i<=k} a_i, so a later
 slot only gets gradient once the earlier ones are right; (d) is that gradient with a smoothed a
@@ -30,7 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSSES = ("ce", "streak", "ce_streak", "dpace")
+from draftlab.losses.acceptance import ETA, KINDS as LK_KINDS, lk_loss
+
+LOSSES = ("ce", "streak", "ce_streak", "dpace", *LK_KINDS)
 
 
 def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
@@ -144,10 +148,16 @@ def block_loss(
     *,
     gamma: float,
     alpha: float,
+    kl: torch.Tensor | None = None,
+    eta: float = ETA,
 ) -> torch.Tensor:
-    """One of ``LOSSES``: gamma is (a)'s weight decay, alpha (d)'s smoothing."""
+    """One of ``LOSSES``: gamma is (a)'s and (e)'s weight decay, alpha (d)'s smoothing; (e) reads
+    KL(p || q) per slot, ``kl`` (the CE itself for one-hot targets, the default), and eta."""
     if kind == "ce":
         return weighted_ce_loss(ce, mask, position_weights(ce.shape[-1], gamma, ce.device))
+    if kind in LK_KINDS:
+        per_slot = lk_loss(kind, log_accept, ce if kl is None else kl, eta)
+        return weighted_ce_loss(per_slot, mask, position_weights(ce.shape[-1], gamma, ce.device))
     if kind == "streak":
         return streak_loss(log_accept, mask)
     if kind == "ce_streak":

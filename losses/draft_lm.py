@@ -8,6 +8,7 @@ target's lm_head. ``loss.kind`` picks the divergence:
 * ``rkl``: KL(q || p), mode seeking;
 * ``jsd``: beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q (GKD's JSD[beta]);
 * ``tvd``: 1/2 sum |p - q|, whose complement is the acceptance rate of speculative sampling;
+* ``nla``, ``lk_hybrid``: the LK acceptance losses (losses/acceptance.py), with ``eta``;
 * ``ce``: cross-entropy on the data's next tokens alone (no target distribution).
 
 p and q are both taken at ``temperature``. With ``top_k`` = k > 0 the target's distribution is
@@ -30,20 +31,22 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-KINDS = ("fkl", "rkl", "jsd", "tvd", "ce")
+from draftlab.losses.acceptance import KINDS as LK_KINDS, AcceptanceLossFields, distribution_alpha_kl, lk_and_grad, lk_loss
+
+KINDS = ("fkl", "rkl", "jsd", "tvd", *LK_KINDS, "ce")
 # a log-probability standing in for log 0 in the top-k rest bucket when the top k hold all the
 # mass (k >= V): finite, so no gradient becomes NaN, and exp() of it is exactly 0
 LOG_ZERO = -1e30
 
 
-class DraftLMLoss(BaseModel):
+class DraftLMLoss(AcceptanceLossFields):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["fkl", "rkl", "jsd", "tvd", "ce"] = Field(
-        "fkl", description="fkl | rkl | jsd | tvd: divergence from the target's distribution; ce: the data's tokens alone"
+    kind: Literal[KINDS] = Field(  # type: ignore[valid-type]
+        "fkl", description="fkl | rkl | jsd | tvd | nla | lk_hybrid: divergence from the target's distribution; ce: the data's tokens alone"
     )
     beta: float = Field(0.5, gt=0, lt=1, description="jsd: the target's weight in the mixture m = beta p + (1 - beta) q")
     temperature: float = Field(1.0, gt=0, description="both distributions are softmax(logits / temperature)")
@@ -119,18 +122,23 @@ def row_loss(z: torch.Tensor, zt: torch.Tensor | None, labels: torch.Tensor, cfg
     lp = F.log_softmax(zt.float() / cfg.temperature, -1)
     if cfg.top_k:
         lp, lq = bucket_top_k(lp, lq, cfg.top_k)
-    loss = DIVERGENCES[cfg.kind](lp, lq, cfg.beta)
+    if cfg.kind in LK_KINDS:
+        loss = lk_loss(cfg.kind, *distribution_alpha_kl(lq, lp.exp()), cfg.eta)
+    else:
+        loss = DIVERGENCES[cfg.kind](lp, lq, cfg.beta)
     if cfg.ce_weight:
         loss = loss + cfg.ce_weight * F.cross_entropy(z, labels, reduction="none")
     return loss
 
 
 # ---------------------------------------------------------------------------- closed-form gradients
-def divergence_and_grad(kind: str, lp: torch.Tensor, lq: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def divergence_and_grad(kind: str, lp: torch.Tensor, lq: torch.Tensor, beta: float, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(divergence per row [N], its gradient [N, M] with respect to the logits s of q = softmax(s))
-    for log-probabilities ``lp``, ``lq`` [N, M]: the closed forms of ``DIVERGENCES``' derivatives,
-    a few passes over [N, M] instead of autograd's dozen. With g = dL/dq the gradient is
-    q * (g - sum(q g)): fkl gives q - p outright."""
+    for log-probabilities ``lp``, ``lq`` [N, M]: the closed forms of ``DIVERGENCES``' derivatives
+    (and the LK losses', from losses/acceptance.py), a few passes over [N, M] instead of
+    autograd's dozen. With g = dL/dq the gradient is q * (g - sum(q g)): fkl gives q - p outright."""
+    if kind in LK_KINDS:
+        return lk_and_grad(kind, lp, lq, eta)
     q = lq.exp()
     if kind == "fkl":
         return _xlogy_diff(lp, lq), q - lp.exp()
@@ -166,12 +174,12 @@ def row_loss_and_grad(z: torch.Tensor, zt: torch.Tensor, labels: torch.Tensor, c
         k = min(cfg.top_k, z.shape[-1])
         idx = lp.topk(k, dim=-1).indices
         bp, bq = bucket_top_k(lp, lq, k, idx)
-        loss, G = divergence_and_grad(cfg.kind, bp, bq, cfg.beta)
+        loss, G = divergence_and_grad(cfg.kind, bp, bq, cfg.beta, cfg.eta)
         grad = (lq - bq[:, k:]).exp_().mul_(G[:, k:])  # rest bucket: q_v / q_rest * G_rest
         grad.scatter_(-1, idx, G[:, :k])
         grad.div_(t)
     else:
-        loss, grad = divergence_and_grad(cfg.kind, lp, lq, cfg.beta)
+        loss, grad = divergence_and_grad(cfg.kind, lp, lq, cfg.beta, cfg.eta)
         grad.div_(t)
     del lp, lq
     if cfg.kind == "ce" or cfg.ce_weight:

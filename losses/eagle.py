@@ -14,6 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftlab.losses.acceptance import ETA, KINDS as LK_KINDS, lk_distribution_loss
+
+DISTRIBUTION_KINDS = ("ce", *LK_KINDS)  # :func:`distribution_loss`'s kinds, ce the default
+
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """Position t of the result holds x[:, t + n]; the last n positions are ``fill``."""
@@ -26,11 +30,6 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 def predicted_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
     """Positions t whose step-``step`` prediction (token x_{t+2+step}) is an assistant token."""
     return shift_left(loss_mask.bool(), 2 + step, fill=False)
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """-sum_v p_v log q_v per position (no reduction over positions)."""
-    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def topk_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,13 +51,16 @@ def eagle1_loss(
     mask: torch.Tensor,
     feature_weight: float = 1.0,
     ce_weight: float = 0.1,
+    kind: str = "ce",
+    eta: float = ETA,
 ) -> tuple[torch.Tensor, dict]:
-    """EAGLE-1: SmoothL1 feature regression + soft CE to the target's distribution.
+    """EAGLE-1: SmoothL1 feature regression + ``ce_weight`` times a distribution term against
+    the target's: soft CE (``kind`` ce) or an LK acceptance loss (nla, lk_hybrid).
 
     All tensors are already aligned: position t compares the drafter's prediction with the
     target's feature/logits at t + 1, ``mask`` selects positions that count."""
     l_feat = masked_mean(F.smooth_l1_loss(pred_feat, target_feat, reduction="none").mean(-1), mask)
-    l_ce = masked_mean(soft_cross_entropy(pred_logits, F.softmax(target_logits.float(), -1)), mask)
+    l_ce = masked_mean(distribution_loss(pred_logits, F.softmax(target_logits.float(), -1), kind, eta), mask)
     with torch.no_grad():
         acc = masked_mean((pred_logits.max(-1).indices == target_logits.max(-1).indices).float(), mask)
     loss = feature_weight * l_feat + ce_weight * l_ce
@@ -84,16 +86,28 @@ class SoftCrossEntropy(torch.autograd.Function):
         return torch.exp(z - lse.unsqueeze(-1)).sub_(p).mul_(g.unsqueeze(-1)), None
 
 
+def distribution_loss(logits: torch.Tensor, target_probs: torch.Tensor, kind: str = "ce", eta: float = ETA) -> torch.Tensor:
+    """Per row, the draft's ``logits`` against the target's distribution (rows summing to 1):
+    soft CE (``kind`` ce, the EAGLE and Medusa default) or an LK acceptance loss
+    (:mod:`draftlab.losses.acceptance`: nla, lk_hybrid)."""
+    if kind == "ce":
+        return SoftCrossEntropy.apply(logits, target_probs)
+    return lk_distribution_loss(kind, logits, target_probs, eta)
+
+
 def eagle3_step_loss(
     logits: torch.Tensor,
     target_probs: torch.Tensor,
     mask: torch.Tensor,
     topk_weight: float = 0.0,
     topk: int = 10,
+    kind: str = "ce",
+    eta: float = ETA,
 ) -> torch.Tensor:
-    """One TTT step: soft CE against the target's distribution restricted to the draft vocab,
-    plus HASS's optional top-K term, averaged over ``mask`` (any matching leading shape)."""
-    per_pos = SoftCrossEntropy.apply(logits, target_probs)
+    """One TTT step: :func:`distribution_loss` against the target's distribution restricted to
+    the draft vocab, plus HASS's optional top-K term, averaged over ``mask`` (any matching
+    leading shape)."""
+    per_pos = distribution_loss(logits, target_probs, kind, eta)
     if topk_weight:
         per_pos = per_pos + topk_weight * topk_cross_entropy(logits, target_probs, topk)
     return masked_mean(per_pos, mask)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftlab.losses.eagle import SoftCrossEntropy
+from draftlab.losses.acceptance import ETA, lk_loss
+from draftlab.losses.eagle import distribution_loss
 
 
 def head_weights(num_heads: int, head_weight: float, decay: float) -> list[float]:
@@ -26,17 +27,20 @@ def _mean(per_row: torch.Tensor) -> torch.Tensor:
     return per_row.sum() / max(per_row.numel(), 1)
 
 
-def distill_loss(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """Self-distillation: mean soft CE -sum_v p_v log softmax(logits)_v over rows [n, V_draft],
-    ``target_probs`` the target's distribution at the same predicted token (rows sum to 1)."""
-    return _mean(SoftCrossEntropy.apply(logits, target_probs))
+def distill_loss(logits: torch.Tensor, target_probs: torch.Tensor, kind: str = "ce", eta: float = ETA) -> torch.Tensor:
+    """Self-distillation: the mean over rows [n, V_draft] of soft CE -sum_v p_v log softmax(logits)_v
+    (``kind`` ce) or an LK acceptance loss (nla, lk_hybrid), ``target_probs`` the target's
+    distribution at the same predicted token (rows sum to 1)."""
+    return _mean(distribution_loss(logits, target_probs, kind, eta))
 
 
-def data_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE against the data's tokens given as draft-vocab ids ``labels`` [n]; -1 marks a
-    token outside the draft vocabulary, which no head can predict and is left out."""
+def data_loss(logits: torch.Tensor, labels: torch.Tensor, kind: str = "ce", eta: float = ETA) -> torch.Tensor:
+    """Mean CE against the data's tokens given as draft-vocab ids ``labels`` [n] (``kind`` ce), or
+    an LK loss against them as one-hot targets (alpha = q_y, KL = CE: nla is then the CE); -1
+    marks a token outside the draft vocabulary, which no head can predict and is left out."""
     keep = labels >= 0
-    return _mean(F.cross_entropy(logits[keep].float(), labels[keep], reduction="none"))
+    ce = F.cross_entropy(logits[keep].float(), labels[keep], reduction="none")
+    return _mean(ce if kind == "ce" else lk_loss(kind, -ce, ce, eta))
 
 
 def topk_agreement(ranked: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:

@@ -27,6 +27,7 @@ import torch.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from draftlab.errors import DraftlabError
+from draftlab.losses.acceptance import KINDS as LK_KINDS, AcceptanceLossFields, entropy
 from draftlab.losses.diffusion import LOSSES, block_loss, distribution_terms, expected_streak, token_terms
 from draftlab.losses.eagle import shift_left
 from draftlab.models.drafter import (
@@ -82,11 +83,12 @@ class DiffusionMeta(DrafterMeta):
     normalize_fc_input: StrictBool = False
 
 
-class DiffusionLoss(BaseModel):
+class DiffusionLoss(AcceptanceLossFields):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal[LOSSES] = Field(  # type: ignore[valid-type]
-        "ce", description="ce: DFlash's exp(-(k-1)/gamma)-weighted CE; streak: -E[accepted prefix]; ce_streak; dpace"
+        "ce", description="ce: DFlash's exp(-(k-1)/gamma)-weighted CE; streak: -E[accepted prefix]; ce_streak; dpace; "
+        "nla | lk_hybrid: ce's weights on the LK acceptance losses"
     )
     targets: Literal["greedy", "distribution", "data"] = Field(
         "greedy",
@@ -334,12 +336,15 @@ class DiffusionDrafter(Drafter):
             final = hidden[self.num_target_layers]
             rows = final.gather(1, src[..., None].expand(-1, -1, final.shape[-1]))
             probs = self._target_lm_head.probs(rows.reshape(-1, rows.shape[-1]), self.t2d if self.lm_head is not None else None)
-            log_accept, ce = distribution_terms(logits.reshape(B * A, J, -1), probs.view(B * A, J, -1), cfg.temperature)
+            probs = probs.view(B * A, J, -1)
+            log_accept, ce = distribution_terms(logits.reshape(B * A, J, -1), probs, cfg.temperature)
+            kl = ce - entropy(probs) if cfg.kind in LK_KINDS else None
         else:
             labels = greedy if cfg.targets == "greedy" else ids.gather(1, tgt.reshape(B, -1)).view(B, A, J)
             log_accept, ce = token_terms(logits.reshape(B * A, J, -1), self.to_draft_ids(labels).view(B * A, J), cfg.temperature)
+            kl = None  # one-hot targets: KL is the CE
         m = counted.view(B * A, J)
-        loss = block_loss(cfg.kind, log_accept, ce, m, gamma=cfg.gamma, alpha=cfg.dpace_alpha)
+        loss = block_loss(cfg.kind, log_accept, ce, m, gamma=cfg.gamma, alpha=cfg.dpace_alpha, kl=kl, eta=cfg.eta)
         with torch.no_grad():  # per-position agreement with the target's greedy token, and the greedy accepted prefix
             hit = (self.to_target_ids(logits.argmax(-1)) == greedy).view(B * A, J)
             n = m.sum(0).clamp_min(1)

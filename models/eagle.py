@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from draftlab.losses.eagle import eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
+from draftlab.losses.acceptance import AcceptanceLossFields
+from draftlab.losses.eagle import DISTRIBUTION_KINDS, eagle1_loss, eagle3_step_loss, predicted_mask, shift_left
 from draftlab.models.drafter import (
     DRAFTERS,
     Distinct,
@@ -136,9 +137,13 @@ class Eagle3Meta(EagleMeta):
     norm_output: StrictBool = False
 
 
-class Eagle3Loss(BaseModel):
+KIND_DESCRIPTION = "ce: soft cross-entropy to the target's distribution; nla | lk_hybrid: the LK acceptance losses"
+
+
+class Eagle3Loss(AcceptanceLossFields):
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal[DISTRIBUTION_KINDS] = Field("ce", description=KIND_DESCRIPTION)  # type: ignore[valid-type]
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll length")
     decay: float = Field(0.8, gt=0, description="step i is weighted decay**i")
     topk_weight: float = Field(0.0, ge=0, description="HASS top-K distillation term weight (0 = off)")
@@ -336,7 +341,7 @@ class Eagle3Drafter(EagleBase):
             counted = counted_all[:, 2 + i : 2 + i + T]
             r = row[:, 1 + i : 1 + i + T][counted]  # target row of every counted position
             logits = self.head(h[counted])
-            li = eagle3_step_loss(logits, p[r], in_vocab[r], cfg.topk_weight, cfg.topk)
+            li = eagle3_step_loss(logits, p[r], in_vocab[r], cfg.topk_weight, cfg.topk, cfg.kind, cfg.eta)
             loss = loss + cfg.decay**i * li
             with torch.no_grad():  # top-1 agreement, out-of-draft-vocab targets count as misses
                 hit = self.to_target_ids(logits.max(-1).indices) == target_argmax[r]
@@ -354,11 +359,12 @@ class Eagle1Config(BaseModel):
     num_layers: int = Field(1, ge=1)
 
 
-class Eagle1Loss(BaseModel):
+class Eagle1Loss(AcceptanceLossFields):
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal[DISTRIBUTION_KINDS] = Field("ce", description=KIND_DESCRIPTION)  # type: ignore[valid-type]
     feature_weight: float = Field(1.0, ge=0, description="SmoothL1 feature regression weight")
-    ce_weight: float = Field(0.1, ge=0, description="soft cross-entropy to the target distribution")
+    ce_weight: float = Field(0.1, ge=0, description="weight of the distribution term (kind) against the target's")
     feature_noise: float = Field(0.1, ge=0, description="uniform U(-a, a) noise on input features")
 
 
@@ -427,5 +433,6 @@ class Eagle1Drafter(EagleBase):
         with torch.no_grad():
             target_logits = self._target_lm_head(target_feat)
         return eagle1_loss(
-            pred, target_feat, self.head(pred), target_logits, predicted_mask(loss_mask, 0), cfg.feature_weight, cfg.ce_weight
+            pred, target_feat, self.head(pred), target_logits, predicted_mask(loss_mask, 0), cfg.feature_weight, cfg.ce_weight,
+            cfg.kind, cfg.eta,
         )

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftlab.losses.eagle import predicted_mask, shift_left
+from draftlab.losses.acceptance import AcceptanceLossFields
+from draftlab.losses.eagle import DISTRIBUTION_KINDS, predicted_mask, shift_left
 from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
 from draftlab.models.drafter import (
     DRAFTERS,
@@ -58,9 +59,12 @@ class MedusaMeta(DrafterMeta):
     num_target_layers: TargetNumLayers
 
 
-class MedusaLoss(BaseModel):
+class MedusaLoss(AcceptanceLossFields):
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal[DISTRIBUTION_KINDS] = Field(  # type: ignore[valid-type]
+        "ce", description="ce: cross-entropy to the targets; nla | lk_hybrid: the LK acceptance losses against them"
+    )
     head_weight: float = Field(1.0, gt=0, description="lambda: head i's loss is weighted lambda * decay**i")
     decay: float = Field(0.8, gt=0)
     targets: Literal["target", "data"] = Field(
@@ -216,9 +220,9 @@ class MedusaDrafter(Drafter):
             r = shift_left(row, 1 + i, fill=-1)[counted]  # the target's row at s = t+1+i
             logits = self.head_logits(h[counted], i)
             if probs is not None:
-                li = distill_loss(logits, probs[r])
+                li = distill_loss(logits, probs[r], cfg.kind, cfg.eta)
             else:
-                li = data_loss(logits, shift_left(labels, 2 + i, fill=-1)[counted])
+                li = data_loss(logits, shift_left(labels, 2 + i, fill=-1)[counted], cfg.kind, cfg.eta)
             loss = loss + w * li
             with torch.no_grad():  # agreement with the target's greedy token; outside the draft vocab = miss
                 ranked = self.to_target_ids(logits.topk(min(TOPK_METRIC, logits.shape[-1]), dim=-1).indices)

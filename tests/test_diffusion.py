@@ -136,7 +136,7 @@ def test_sampled_decoding_keeps_the_target_distribution(tiny_llama, trained):
     "override,match",
     [("drafter.block_size=1", "drafter.block_size: Input should be greater than or equal to 2"),
      ("drafter.num_layers=0", "drafter.num_layers"), ("drafter.blocks=3", "drafter.blocks: Extra inputs"),
-     ("loss.kind=kl", "loss.kind: Input should be 'ce', 'streak', 'ce_streak' or 'dpace'"),
+     ("loss.kind=kl", "loss.kind: Input should be 'ce', 'streak', 'ce_streak', 'dpace', 'nla' or 'lk_hybrid'"),
      ("loss.targets=logits", "loss.targets: Input should be 'greedy', 'distribution' or 'data'"), ("loss.anchors=0", "loss.anchors")],
 )
 def test_bad_recipes_are_one_line_errors(tmp_path, override, match):

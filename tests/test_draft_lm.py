@@ -171,11 +171,15 @@ def _reference(z, zt, labels, cfg):
     if cfg.kind == "ce":
         return ce
     m = cfg.beta * p + (1 - cfg.beta) * q
+    fkl, alpha = (p * (p / q).log()).sum(-1), torch.minimum(p, q).sum(-1)
+    lam = torch.exp(-cfg.eta * alpha)
     div = {
-        "fkl": (p * (p / q).log()).sum(-1),
+        "fkl": fkl,
         "rkl": (q * (q / p).log()).sum(-1),
         "jsd": cfg.beta * (p * (p / m).log()).sum(-1) + (1 - cfg.beta) * (q * (q / m).log()).sum(-1),
         "tvd": 0.5 * (p - q).abs().sum(-1),
+        "nla": -alpha.log(),
+        "lk_hybrid": lam * fkl + (1 - lam) * (1 - alpha),
     }[cfg.kind]
     return div + cfg.ce_weight * ce
 
@@ -184,8 +188,9 @@ def _reference(z, zt, labels, cfg):
     "cfg",
     [DraftLMLoss(kind=k) for k in KINDS]
     + [DraftLMLoss(kind="jsd", beta=0.2, temperature=2.0), DraftLMLoss(kind="rkl", top_k=5, ce_weight=0.3),
-       DraftLMLoss(kind="fkl", top_k=3, temperature=0.5), DraftLMLoss(kind="tvd", top_k=4)],
-    ids=lambda c: f"{c.kind}-t{c.temperature}-k{c.top_k}-b{c.beta}-ce{c.ce_weight}",
+       DraftLMLoss(kind="fkl", top_k=3, temperature=0.5), DraftLMLoss(kind="tvd", top_k=4),
+       DraftLMLoss(kind="lk_hybrid", eta=0.7, top_k=5, ce_weight=0.2), DraftLMLoss(kind="nla", temperature=2.0, top_k=3)],
+    ids=lambda c: f"{c.kind}-t{c.temperature}-k{c.top_k}-b{c.beta}-ce{c.ce_weight}-e{c.eta}",
 )
 def test_row_loss_matches_the_definition_in_probabilities(cfg):
     g = torch.Generator().manual_seed(0)
@@ -195,7 +200,7 @@ def test_row_loss_matches_the_definition_in_probabilities(cfg):
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tvd"])
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tvd", "nla", "lk_hybrid"])
 def test_top_k_with_the_rest_mass_is_the_full_loss_at_k_equal_v(kind):
     g = torch.Generator().manual_seed(1)
     V = 40
@@ -227,11 +232,13 @@ def test_bucket_keeps_the_rest_mass():
 
 
 CHUNKED = [DraftLMLoss(kind=k, chunk=3) for k in KINDS] + [
-    DraftLMLoss(kind=k, top_k=6, temperature=t, ce_weight=0.5, chunk=5) for k in ("fkl", "rkl", "jsd", "tvd") for t in (1.0, 0.7)
-] + [DraftLMLoss(kind="jsd", beta=0.1, temperature=1.5, chunk=4), DraftLMLoss(kind="rkl", top_k=30, chunk=11)]
+    DraftLMLoss(kind=k, top_k=6, temperature=t, ce_weight=0.5, chunk=5)
+    for k in ("fkl", "rkl", "jsd", "tvd", "nla", "lk_hybrid") for t in (1.0, 0.7)
+] + [DraftLMLoss(kind="jsd", beta=0.1, temperature=1.5, chunk=4), DraftLMLoss(kind="rkl", top_k=30, chunk=11),
+     DraftLMLoss(kind="lk_hybrid", eta=10.0, chunk=4)]
 
 
-@pytest.mark.parametrize("cfg", CHUNKED, ids=lambda c: f"{c.kind}-t{c.temperature}-k{c.top_k}-b{c.beta}-ce{c.ce_weight}-c{c.chunk}")
+@pytest.mark.parametrize("cfg", CHUNKED, ids=lambda c: f"{c.kind}-t{c.temperature}-k{c.top_k}-b{c.beta}-ce{c.ce_weight}-c{c.chunk}-e{c.eta}")
 def test_chunked_closed_form_loss_and_gradients_equal_autograd_of_the_definition(cfg):
     g = torch.Generator().manual_seed(3)
     N, H, V = 11, 8, 30

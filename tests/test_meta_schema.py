@@ -36,7 +36,7 @@ HUGE = 10**12
 # configs whose drafters have every optional part (reduced vocabularies, several fused layers)
 CONFIGS = {
     "eagle1": dict(num_layers=1),
-    "eagle3": dict(draft_vocab_size=64, normalize_fc_input=False),
+    "eagle3": dict(draft_vocab_size=64, normalize_fc_input=False, fc_norm=True, norm_output=True),
     "medusa": dict(num_heads=2, draft_vocab_size=64),
     "medusa2": dict(num_heads=2, draft_vocab_size=64, lora_r=4, lora_targets=["q_proj", "v_proj"]),
     "diffusion": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False),
@@ -400,7 +400,8 @@ def _rewrite_config(out, edit):
          "target_layer_ids (a list of layer ids)"),
         ("eagle3", {}, "vllm", "speculators", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 1, 2]), "drafter.aux_layers = [1, 1, 2] repeats 1"),
         ("eagle3", {}, "vllm", "speculators", lambda c: c.update(draft_vocab_size=63.5), "drafter.draft_vocab_size = 63.5 is not an integer"),
-        ("eagle3", {}, "sglang", "sglang", lambda c: c.update(draft_vocab_size="64"), "drafter.draft_vocab_size = \"64\" is not an integer"),
+        ("eagle3", dict(norm_output=False), "sglang", "sglang", lambda c: c.update(draft_vocab_size="64"),  # SGLang: no norm_output
+         "drafter.draft_vocab_size = \"64\" is not an integer"),
         ("medusa", {}, "vllm", "medusa-vllm", lambda c: c.update(num_heads=HUGE), f"drafter.num_heads = {HUGE} is outside 1..64"),
         ("medusa", dict(draft_vocab_size=0), "medusa", "medusa", lambda c: c.update(medusa_num_layers=HUGE),
          f"drafter.num_layers = {HUGE} is outside 1..4"),
