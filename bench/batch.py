@@ -71,7 +71,8 @@ def configurations(ckpt: Path, target, ks: list[int]):
     """(label, proposer, shape, adaptive) in the order measured."""
     from draftlab.inference.batch_eval import Speculation
     from draftlab.inference.ngram import NgramProposer
-    from draftlab.inference.proposer import Block, Chain, load_proposer
+    from draftlab.inference.proposer import load_proposer
+    from draftlab.inference.shapes import Block, Chain
 
     proposer = load_proposer(ckpt, target)
     row = Block if "block" in proposer.shapes else Chain
@@ -89,6 +90,7 @@ def run(argv, args) -> int:
     from draftlab.checkpoint import read_meta
     from draftlab.inference.batch_eval import Speculation, compare_batches
     from draftlab.inference.prompts import load_prompts
+    from draftlab.inference.proposer import verifying_target
     from draftlab.inference.report import plot_speedup_by_batch
 
     if args.threads:
@@ -102,7 +104,7 @@ def run(argv, args) -> int:
     busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     configs = configurations(ckpt, target, args.ks)
     speculations = {label: Speculation(proposer, shape, adaptive) for label, proposer, shape, adaptive in configs}
-    target = configs[-1][1].verifier(target)  # the drafter's verifier (Medusa-2: its merged target) for all
+    target = verifying_target(configs[-1][1], target)  # the drafter's verifier (Medusa-2: its merged target) for all
     print(f"{', '.join(speculations)}: each group of prompts decoded by each and by plain decoding, in lockstep", flush=True)
     results = compare_batches(
         target, speculations, prompts, args.batch_sizes, max_new_tokens=args.max_new_tokens, seed=recipe.seed,

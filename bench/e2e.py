@@ -79,7 +79,7 @@ from bench.sections import append_benchmarks
 from draftlab.errors import DraftlabError
 from draftlab.cli_decode import FLAGS
 from draftlab.inference.decoding_spec import DecodingSpec, check_spec
-from draftlab.inference.proposer import Chain, DynamicTree
+from draftlab.inference.shapes import Chain, DynamicTree
 
 REPO = Path(__file__).resolve().parent.parent
 COPY_MIB = 256  # bandwidth probe: far beyond any cache level
@@ -307,7 +307,7 @@ def random_tree(n: int, depth: int, vocab: int, g: torch.Generator):
 
 def kernel_times(vocab: int, k: int, tree: DynamicTree, reps: int) -> dict:
     """(d): each verifier alone (torch backend, CPU) and the decoder-side work feeding it, ms."""
-    from draftlab.inference.proposer import process_logits
+    from draftlab.inference.sampling import process_logits
     from draftlab.kernels import chain_verify_greedy, chain_verify_sampling, tree_verify_greedy, tree_verify_sampling
 
     g = torch.Generator().manual_seed(0)
@@ -474,10 +474,10 @@ def parse_args(argv):
 
 def dynamic_runs(proposer, args) -> list[tuple[str, object, Chain]]:
     """Row 7's (name, proposer, shape) triples: dynamic draft length, lookup first, both."""
-    from draftlab.inference.hybrid import LookupFirstProposer
+    from draftlab.inference import hybrid
 
     runs, c, n = [], args.min_confidence, args.lookup_min_match
-    lookup_first = LookupFirstProposer(proposer, n, args.ngram_max) if n else None
+    lookup_first = hybrid.lookup_first(proposer, n, args.ngram_max) if n else None
     if c:
         runs.append((f"draftlab EAGLE-3 chain K={args.k}, min confidence {c}", proposer, Chain(args.k, c)))
     if n:

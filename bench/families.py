@@ -172,7 +172,7 @@ def agreement(r: dict, target, drafter, samples: list) -> dict:
 
 def shapes_for(r: dict, proposer, static_tree) -> list[tuple[str, object | None, str | None]]:
     """(name, shape or None, why skipped) for the run's chain (a block for block drafters) and its tree."""
-    from draftlab.inference.proposer import Block, Chain, DynamicTree
+    from draftlab.inference.shapes import Block, Chain, DynamicTree
 
     e = r["recipe"].eval
     out = [(f"chain k={e.k}", Chain(e.k), None) if "chain" in proposer.shapes else (f"block k={e.k}", Block(e.k), None)]
@@ -331,7 +331,7 @@ def parse_args(argv):
 
 
 def static_tree_arg(value: str):
-    from draftlab.inference.proposer import StaticTree
+    from draftlab.inference.shapes import StaticTree
 
     try:
         text = value if value.lstrip().startswith("[") else Path(value).read_text()

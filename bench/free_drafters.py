@@ -98,7 +98,8 @@ def prompt_sets(tokenizer, n: int, quick: bool) -> tuple[list, list[str]]:
 def drafters(target, args) -> list[tuple[str, object, object]]:
     """[(row label, proposer, shape)]; each proposer is built once and reused across sets."""
     from draftlab.inference.ngram import NgramProposer
-    from draftlab.inference.proposer import FREE_DRAFTERS, Chain, DynamicTree, load_proposer
+    from draftlab.inference.proposer import FREE_DRAFTERS, load_proposer
+    from draftlab.inference.shapes import Chain, DynamicTree
 
     chain, tree = Chain(args.k), DynamicTree(depth=args.k, top_k=4, total_tokens=16)
     suffix = FREE_DRAFTERS.get("suffix").from_options({})(target)

@@ -83,7 +83,7 @@ def measure(kind: str, B: int, k: int, V: int, temperature: float, repeats: int)
     """Median seconds of one accept call on each backend; their outputs checked equal."""
     import torch
 
-    from draftlab.inference.proposer import Sampling
+    from draftlab.inference.sampling import Sampling
 
     inputs = _inputs(kind, B, k, V, torch.Generator().manual_seed(B * 1000 + k))
     gen = torch.Generator(device="cuda")

@@ -180,7 +180,8 @@ def measure(c: dict, args) -> dict:
     from draftlab.checkpoint import load_drafter
     from draftlab.inference.evaluate import evaluate
     from draftlab.inference.prompts import load_prompts
-    from draftlab.inference.proposer import Chain, StaticTree, load_proposer
+    from draftlab.inference.proposer import load_proposer
+    from draftlab.inference.shapes import Chain, StaticTree
 
     recipe = c["recipe"]
     target = target_of(recipe)

@@ -47,7 +47,8 @@ def run(argv, args) -> int:
     from draftlab.inference.draft_length import DraftLength
     from draftlab.inference.prefill import PromptCache
     from draftlab.inference.prompts import load_prompts
-    from draftlab.inference.proposer import Chain, load_proposer
+    from draftlab.inference.proposer import load_proposer
+    from draftlab.inference.shapes import Chain
 
     class Uncaptured(Decoder):
         """Plain steps without the hidden-state capture (the drafter gets them at the prefill only)."""

@@ -31,7 +31,7 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoding_spec import DecodingSpec, check_spec, named
-from draftlab.inference.proposer import (
+from draftlab.inference.shapes import (
     CHOICES_EXAMPLE, METHODS, DynamicTree, OptionError, Shape, check_decoding, check_shape,
 )
 from draftlab.limits import MAX_BATCH_SIZE, MAX_K, MAX_NEW_TOKENS, MAX_TREE_NODES, TEMPERATURE_RANGE
@@ -318,6 +318,7 @@ def run_generate(args) -> int:
     from draftlab.inference.decoder import SpeculativeDecoder
     from draftlab.inference.metrics import AcceptanceStats
     from draftlab.inference.prompts import chat_prompt_ids, valid_text
+    from draftlab.inference.proposer import verifying_target
 
     # every flag and every prompt checked before any model loads
     spec = decoding_spec(args)
@@ -328,7 +329,7 @@ def run_generate(args) -> int:
     else:
         lines = stdin_lines() if interactive else list(stdin_lines())
     target, proposer = load_models(args, spec)
-    target = proposer.verifier(target)
+    target = verifying_target(proposer, target)
     decoder = SpeculativeDecoder(target, proposer, backend=args.backend)
     shape, tok = spec.shape(), target.tokenizer
     session = AcceptanceStats()

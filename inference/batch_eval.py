@@ -27,7 +27,8 @@ from draftlab.inference.decoder import Decoder, run_lockstep
 from draftlab.inference.draft_length import DraftLength, step_cost
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache
-from draftlab.inference.proposer import Block, Chain, check_decoding
+from draftlab.inference.proposer import Proposer, verifying_target
+from draftlab.inference.shapes import Block, Chain, check_decoding
 
 
 def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
@@ -47,7 +48,7 @@ class Speculation:
     """One speculative configuration to measure against plain decoding: a proposer, the shape
     it drafts and whether a :class:`DraftLength` rule chooses each step's k (up to the shape's)."""
 
-    proposer: object
+    proposer: Proposer
     shape: object
     adaptive: bool = False
 
@@ -56,7 +57,7 @@ class Speculation:
         """The most the rule drafts: the shape's k, or fewer where the proposer was trained to
         draft fewer chained positions (``Proposer.trained_depth``): beyond those it accepts
         little, and calibrating them costs start-up time."""
-        trained = getattr(self.proposer, "trained_depth", None)
+        trained = self.proposer.trained_depth
         return min(self.shape.k, trained) if trained else self.shape.k
 
 
@@ -97,12 +98,12 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
                      eos_token_id=None, adaptive: bool = False, backend: str = "auto", progress=None,
                      min_groups: int = 1, cuda_graphs: bool = False) -> dict:
     """The ``batches`` section of a report: one entry per batch size, in the order given, for
-    one proposer decoding with the target it is verified by (:meth:`Proposer.verifier`);
+    one proposer decoding with the target it is verified by (:func:`~draftlab.inference.proposer.verifying_target`);
     ``cuda_graphs``: its forwards and plain decoding's replay captured graphs."""
     from draftlab.inference.graphs import graphed
 
     speculations = {"": Speculation(proposer, shape, adaptive)}
-    target, graphs = graphed(proposer.verifier(target), proposer, cuda_graphs)
+    target, graphs = graphed(verifying_target(proposer, target), proposer, cuda_graphs)
     section = compare_batches(target, speculations, prompts, batch_sizes, max_new_tokens, temperature,
                               top_k, top_p, seed, eos_token_id, backend, progress, min_groups)[""]
     return {**section, "cuda_graphs": graphs()} if graphs else section

@@ -30,9 +30,9 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache, prefill
-from draftlab.inference.proposer import (
-    Block, Branch, Chain, ChainDraft, DraftTree, Proposer, RowProposers, Sampling, Shape, check_decoding, check_shape,
-)
+from draftlab.inference.proposer import Branching, Proposer, RowProposers
+from draftlab.inference.sampling import Sampling
+from draftlab.inference.shapes import Block, Branch, Chain, ChainDraft, DraftTree, Shape, check_decoding, check_shape
 from draftlab.inference.tree import ancestor_mask, validate_tree
 from draftlab.kernels import accept_chains, accept_trees
 
@@ -238,7 +238,7 @@ class Decoder:
         [rows, N, N] becomes [rows, N + E, N + E]. A branch input sees the last token (column 0)
         and what its own mask allows; draft inputs never see the branch; padding sees itself."""
         device = inputs.device
-        limit = self.proposer.branch_inputs
+        limit = self.proposer.branch_inputs if isinstance(self.proposer, Branching) else 0
         for b in branches:
             if b is not None:
                 checked_branch(b, limit, self.target.vocab_size, self.proposer.name)
@@ -333,7 +333,7 @@ class _Run:
         self.sampling = Sampling(temperature, top_k, top_p, gen)
         room = max(p.numel() for p in prompts) + max_new_tokens + 1
         if shape is not None:
-            room += shape.max_nodes + dec.proposer.branch_inputs
+            room += shape.max_nodes + (dec.proposer.branch_inputs if isinstance(dec.proposer, Branching) else 0)
         self.cache = target.new_cache(len(prompts), room, ragged=True)
         slots = _cache_slots(prompts)
         logits, hidden = prefill(target, prompts, slots, dec.layers, self.cache, self.verify, prompt_cache)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import (
+from draftlab.inference.shapes import (
     CHOICES_EXAMPLE, Block, Chain, DynamicTree, OptionError, Shape, StaticTree, check_decoding,
 )
 
@@ -26,7 +26,7 @@ OPTIONS = ("method", "k", "min_confidence", "tree.depth", "tree.top_k", "tree.to
 
 
 class TreeSpec(BaseModel):
-    """A dynamic tree's fields (:class:`~draftlab.inference.proposer.DynamicTree`)."""
+    """A dynamic tree's fields (:class:`~draftlab.inference.shapes.DynamicTree`)."""
 
     model_config = ConfigDict(extra="forbid")
     depth: StrictInt = DynamicTree.depth

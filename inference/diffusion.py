@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, Block, ChainDraft, OptionError, Proposer, RowProposers
+from draftlab.inference.proposer import PROPOSERS, Proposer, RowProposers, draft_vocab_size
+from draftlab.inference.shapes import Block, ChainDraft, OptionError
 from draftlab.kernels.cpu_gemm import decoding_copy
 
 
@@ -21,7 +22,8 @@ from draftlab.kernels.cpu_gemm import decoding_copy
 class DiffusionProposer(Proposer):
     shapes = frozenset({"block"})
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, trained_depth: int | None = None):
+        super().__init__(draft_vocab=draft_vocab_size(drafter), trained_depth=trained_depth)
         self.drafter = decoding_copy(drafter.eval())
         self.name = drafter.algorithm
         self.layers = tuple(drafter.capture_layers)

@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from draftlab.inference.proposer import (
-    PROPOSERS, BatchProposer, Chain, ChainDraft, DraftTree, DynamicTree, RowProposers, Sampling, StaticTree,
-)
+from draftlab.inference.proposer import PROPOSERS, BatchProposer, OwnModel, RowProposers, draft_vocab_size
+from draftlab.inference.sampling import Sampling
+from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree, StaticTree
 from draftlab.models.target import Target
 
 # Cache slots allocated beyond the longest prompt; the cache doubles when a row needs more.
@@ -34,11 +34,12 @@ ROOM = 256
 
 
 @PROPOSERS.register("draft_lm")
-class DraftLMProposer(BatchProposer):
+class DraftLMProposer(BatchProposer, OwnModel):
     shapes = frozenset({"chain", "dynamic_tree", "static_tree"})
     layers = ()  # drafts from tokens alone
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, trained_depth: int | None = None):
+        super().__init__(draft_vocab=draft_vocab_size(drafter), trained_depth=trained_depth)
         self.name = drafter.algorithm
         # A copy: Target freezes the model it wraps and fuses its linears in place, and the
         # drafter given may still be training.

@@ -15,9 +15,8 @@ import math
 
 import torch
 
-from draftlab.inference.proposer import (
-    PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer, RowProposers, StaticTree, check_decoding,
-)
+from draftlab.inference.proposer import PROPOSERS, Proposer, RowProposers, draft_vocab_size
+from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree, StaticTree, check_decoding
 from draftlab.kernels.cpu_gemm import decoding_copy
 
 
@@ -25,7 +24,8 @@ from draftlab.kernels.cpu_gemm import decoding_copy
 class EagleProposer(Proposer):
     shapes = frozenset({"chain", "dynamic_tree", "static_tree"})
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, trained_depth: int | None = None):
+        super().__init__(draft_vocab=draft_vocab_size(drafter), trained_depth=trained_depth)
         # A frozen copy whose linears run the few-row products of decoding on the CPU's faster GEMM
         # (kernels/cpu_gemm.py).
         self.drafter = decoding_copy(drafter.eval())

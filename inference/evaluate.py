@@ -21,7 +21,8 @@ from draftlab.inference.decoder import Decoder, single, run_lockstep
 from draftlab.inference.decoding_spec import DecodingSpec
 from draftlab.inference.metrics import AcceptanceStats, tau_prompt_mean
 from draftlab.inference.prompts import EvalPrompt
-from draftlab.inference.proposer import Chain, Proposer, Shape, shape_fields
+from draftlab.inference.proposer import ChangesVerifier, OwnModel, Proposer, verifying_target
+from draftlab.inference.shapes import Chain, Shape, shape_fields
 
 
 class _Totals:
@@ -100,8 +101,10 @@ def evaluate(
 
     if not prompts:
         raise DraftlabError("evaluation needs at least one prompt")
-    verifier_note = proposer.verifier_report(target, prompts, max_new_tokens, eos_token_id)
-    target, graphs = graphed(proposer.verifier(target), proposer, cuda_graphs)
+    verifier_note = None
+    if isinstance(proposer, ChangesVerifier):
+        verifier_note = proposer.verifier_report(target, prompts, max_new_tokens, eos_token_id)
+    target, graphs = graphed(verifying_target(proposer, target), proposer, cuda_graphs)
     decoder, plain = Decoder(target, proposer, backend=backend), Decoder(target)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     if warmup:
@@ -177,10 +180,10 @@ def acceptance_report(target, proposer: Proposer, prompts: list[EvalPrompt], spe
 
 def draft_cache_fields(proposer: Proposer, target) -> dict:
     """``draft_kv_cache``: the drafter's own KV cache per token of context beside the target's,
-    when the proposer says it keeps one (a draft model's is a real cost beside the target's)."""
-    draft = getattr(proposer, "cache_bytes_per_token", None)
-    if draft is None:
+    when the proposer has one (:class:`OwnModel`: a draft model's is a real cost beside the target's)."""
+    if not isinstance(proposer, OwnModel):
         return {}
+    draft = proposer.cache_bytes_per_token
     base = target.kv_bytes_per_token
     return {"draft_kv_cache": {"bytes_per_token": draft, "target_bytes_per_token": base, "share": draft / base}}
 

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.inference.proposer import OwnModel
 from draftlab.models.target import CACHE_SLOT_MULTIPLE, CacheStep, RaggedKVCache, TargetOutput
 
 
@@ -172,5 +173,6 @@ def graphed(target, proposer, on: bool):
         wrapped["drafter"] = model if isinstance(model, GraphedTarget) else GraphedTarget(model)
         return wrapped["drafter"]
 
-    proposer.use_graphs(wrap)
+    if isinstance(proposer, OwnModel):
+        proposer.use_graphs(wrap)
     return wrapped["target"], lambda: {k: g.report() for k, g in wrapped.items()}

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, BatchProposer, Chain, ChainDraft, DraftTree, DynamicTree, RowProposers, Sampling
+from draftlab.inference.proposer import PROPOSERS, BatchProposer, DraftsWithTarget, RowProposers, draft_vocab_size
+from draftlab.inference.sampling import Sampling
+from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree
 
 # Draft & Verify's exit (``auto_parameters`` of dilab-zju/self-speculative-decoding)
 EXIT_START = {True: 0.8, False: 0.5}  # gamma's start, by greedy
@@ -43,11 +45,12 @@ EXIT_MOMENTUM = 0.9
 
 
 @PROPOSERS.register("layerskip")
-class LayerSkipProposer(BatchProposer):
+class LayerSkipProposer(BatchProposer, DraftsWithTarget):
     shapes = frozenset({"chain", "dynamic_tree"})
     layers = ()  # reads no hidden state: it runs the target
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, trained_depth: int | None = None):
+        super().__init__(draft_vocab=draft_vocab_size(drafter), trained_depth=trained_depth)
         self.name = drafter.algorithm
         self.skip = frozenset(drafter.skip)
         self.adaptive_exit = drafter.adaptive_exit
@@ -112,7 +115,7 @@ class LayerSkipRows(RowProposers):
     def propose(self, shape: Chain | DynamicTree) -> list[ChainDraft | DraftTree]:
         """One forward per draft depth for every row, fed each row's last draft (the spine)."""
         if self.steps is None:
-            raise DraftlabError("drafter 'layerskip' drafts with the target through the decoder (Proposer.use_target), "
+            raise DraftlabError("drafter 'layerskip' drafts with the target through the decoder (DraftsWithTarget.use_target), "
                                 "which the proposer wrapping it does not pass on (--lookup-min-match)")
         tree, greedy = isinstance(shape, DynamicTree), self.sampling.greedy
         R, depth = len(self.last), shape.max_depth

@@ -2,7 +2,7 @@
 Jacobi iterations, after Fu et al. 2024 (arXiv 2402.02057; hao-ai-lab/LookaheadDecoding).
 
 The window. Each step's verify forward also runs the lookahead branch (a
-:class:`~draftlab.inference.proposer.Branch`): a 2-D window of N-1 levels over C columns (C = W
+:class:`~draftlab.inference.shapes.Branch`): a 2-D window of N-1 levels over C columns (C = W
 once filled). Level 0's column 0 is the step's last token itself (the verify forward's first
 input); level 0's other columns and every column of levels 1.. are the branch's inputs. Level l,
 column c sits at the last token's position + l + c and sees the past, the level-0 tokens in
@@ -42,7 +42,8 @@ import zlib
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import FREE_DRAFTERS, Branch, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
+from draftlab.inference.proposer import FREE_DRAFTERS, Branching, Proposer
+from draftlab.inference.shapes import Branch, Chain, ChainDraft, DraftTree, DynamicTree
 
 MAX_WINDOW = 64  # W
 MAX_NGRAM = 16  # N
@@ -125,7 +126,7 @@ def _flag(value: str) -> bool:
 
 
 @FREE_DRAFTERS.register("lookahead")
-class LookaheadProposer(Proposer):
+class LookaheadProposer(Proposer, Branching):
     """Options: ``W`` (window: columns, 1..MAX_WINDOW), ``N`` (n-gram size, 2..MAX_NGRAM; N-1
     levels), ``G`` (n-grams kept per key and so verified per step, 1..MAX_GUESSES),
     ``pool_from_prompt`` (seed the pool with the prompt's n-grams and add the kept text's).

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import (
-    PROPOSERS, Chain, ChainDraft, DraftTree, OptionError, Proposer, RowProposers, StaticTree, check_decoding,
-)
+from draftlab.inference.proposer import PROPOSERS, Proposer, RowProposers, draft_vocab_size
+from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, OptionError, StaticTree, check_decoding
 from draftlab.kernels.cpu_gemm import decoding_copy
 
 
@@ -22,7 +21,8 @@ from draftlab.kernels.cpu_gemm import decoding_copy
 class MedusaProposer(Proposer):
     shapes = frozenset({"chain", "static_tree"})
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, trained_depth: int | None = None):
+        super().__init__(draft_vocab=draft_vocab_size(drafter), trained_depth=trained_depth)
         # A frozen copy whose linears run the 1-row products of decoding on the CPU's faster GEMM
         # (kernels/cpu_gemm.py); the target's lm_head the drafter references is not copied.
         self.drafter = decoding_copy(drafter.eval())

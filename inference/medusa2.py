@@ -15,13 +15,13 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import generate_plain
 from draftlab.inference.medusa import MedusaProposer
-from draftlab.inference.proposer import PROPOSERS
+from draftlab.inference.proposer import PROPOSERS, ChangesVerifier
 
 
 @PROPOSERS.register("medusa2")
-class Medusa2Proposer(MedusaProposer):
-    def __init__(self, drafter):
-        super().__init__(drafter.medusa_heads())  # the LoRA adapters play no part in drafting
+class Medusa2Proposer(MedusaProposer, ChangesVerifier):
+    def __init__(self, drafter, trained_depth: int | None = None):
+        super().__init__(drafter.medusa_heads(), trained_depth)  # the LoRA adapters play no part in drafting
         self.name = drafter.algorithm
         self._adapted, self._merged = drafter, None
 

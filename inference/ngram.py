@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
+from draftlab.inference.proposer import PROPOSERS, Proposer
+from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree
 
 
 @PROPOSERS.register("ngram")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import FREE_DRAFTERS, Chain, ChainDraft, Proposer
+from draftlab.inference.proposer import FREE_DRAFTERS, Proposer
+from draftlab.inference.shapes import Chain, ChainDraft
 
 
 @FREE_DRAFTERS.register("oracle")

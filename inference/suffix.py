@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import FREE_DRAFTERS, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
+from draftlab.inference.proposer import FREE_DRAFTERS, Proposer
+from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree
 
 FORMAT = "draftlab-suffix-trie/1"
 MAX_DEPTH = 256

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import DraftTree
+from draftlab.inference.shapes import DraftTree
 
 
 def validate_tree(tree: DraftTree, vocab_size: int | None = None) -> None:

@@ -21,7 +21,8 @@ from draftlab.inference.decoder import Decoder, _cache_slots, generate_plain_bat
 from draftlab.inference.draft_length import DraftLength, step_cost
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.prompts import EvalPrompt
-from draftlab.inference.proposer import PROPOSERS, Block, Chain, ChainDraft, DraftTree, DynamicTree, Proposer
+from draftlab.inference.proposer import PROPOSERS, Proposer
+from draftlab.inference.shapes import Block, Chain, ChainDraft, DraftTree, DynamicTree
 from draftlab.models.drafter import DRAFTERS
 from test_decoder import PerturbedProposer
 from tiny import assert_batch_follows_target, random_samples
@@ -478,7 +479,7 @@ def test_parse_batch_sizes():
 def _started_rows(tiny_llama, prompts, alone, algorithm, shape, batched_cls):
     """A random drafter's proposer and two RowProposers for the three prompts, both started: the
     family's own (``batched_cls``, drafting every row at once) and the default one fork per row."""
-    from draftlab.inference.proposer import Sampling
+    from draftlab.inference.sampling import Sampling
 
     torch.manual_seed(0)
     cls = DRAFTERS.get(algorithm, "algorithm")
@@ -539,7 +540,7 @@ def test_medusa_drafts_all_rows_at_once_as_each_row_alone(tiny_llama, prompts, a
     """MedusaRows runs each head once over every row's state: the same chains (with per-row
     min_confidence stops) and static trees as the rows drafting one by one."""
     from draftlab.inference.medusa import MedusaRows
-    from draftlab.inference.proposer import StaticTree
+    from draftlab.inference.shapes import StaticTree
 
     proposer, together, by_row = _started_rows(tiny_llama, prompts, alone, "medusa", Chain(3), MedusaRows)
     tree = StaticTree(((0,), (1,), (0, 0), (1, 0)))

@@ -8,7 +8,7 @@ import pytest
 
 from bench import medusa_tree
 from draftlab.checkpoint import FORMAT, META
-from draftlab.inference.proposer import StaticTree
+from draftlab.inference.shapes import StaticTree
 
 
 def test_greedy_tree_adds_the_most_probable_node_whose_parent_is_in():

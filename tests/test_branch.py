@@ -14,7 +14,8 @@ import torch
 
 from draftlab.inference.decoder import Decoder
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import Branch, Chain, DynamicTree, Proposer
+from draftlab.inference.proposer import Branching, Proposer
+from draftlab.inference.shapes import Branch, Chain, DynamicTree
 
 TEXTS = ["The quick brown fox jumps", "a b c a b c a b", "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
 N_NEW = 20
@@ -22,7 +23,7 @@ N_NEW = 20
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class ContinuationBranch(Proposer):
+class ContinuationBranch(Proposer, Branching):
     """Drafts as ``inner`` does and attaches a continuation of the text: ``lengths[len(prompt)]``
     random tokens (0: no branch) at positions 1.. after the last token, each seeing those before
     it. Records (text so far, branch tokens, logits handed back) per step."""

@@ -12,16 +12,9 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import (
-    Block,
-    Chain,
-    ChainDraft,
-    DraftTree,
-    DynamicTree,
-    Proposer,
-    StaticTree,
-    process_logits,
-)
+from draftlab.inference.proposer import Proposer
+from draftlab.inference.sampling import process_logits
+from draftlab.inference.shapes import Block, Chain, ChainDraft, DraftTree, DynamicTree, StaticTree
 from draftlab.inference.tree import ancestor_mask, validate_tree
 from tiny import chi2_pvalue, exact_joint
 

@@ -213,7 +213,7 @@ def _same_tree(a, b):
 
 def test_eagle_dynamic_tree_work_is_bounded_by_the_total(tiny_llama, monkeypatch):
     from draftlab.inference.eagle import EagleProposer
-    from draftlab.inference.proposer import DynamicTree
+    from draftlab.inference.shapes import DynamicTree
 
     p = _started_eagle(tiny_llama)
     committed = p.cache.length
@@ -239,7 +239,7 @@ def test_eagle_dynamic_tree_work_is_bounded_by_the_total(tiny_llama, monkeypatch
 # ---------------------------------------------------------------------- the shapes and the one check
 def test_shapes_refuse_bools_and_out_of_range_fields():
     from draftlab.errors import DraftlabError
-    from draftlab.inference.proposer import Block, Chain, DynamicTree, StaticTree
+    from draftlab.inference.shapes import Block, Chain, DynamicTree, StaticTree
 
     for make, needle in [
         (lambda: Chain(True), "chain: k must be an integer in 1..64, got True"),
@@ -261,7 +261,7 @@ def test_shapes_refuse_bools_and_out_of_range_fields():
 
 
 def test_check_decoding_bounds_every_option():
-    from draftlab.inference.proposer import DynamicTree, OptionError, StaticTree, check_decoding
+    from draftlab.inference.shapes import DynamicTree, OptionError, StaticTree, check_decoding
 
     check_decoding(DynamicTree(), 128, 0.7, 50, 0.9, [1, 2, 4], 0, draft_vocab=96, max_positions=512, prompt_length=100)
     for kwargs, option in [
@@ -346,7 +346,7 @@ def test_the_decoder_applies_the_same_check(tiny_llama, kw, needle):
     from draftlab.errors import DraftlabError
     from draftlab.inference.decoder import Decoder, generate_plain
     from draftlab.inference.ngram import NgramProposer
-    from draftlab.inference.proposer import Chain
+    from draftlab.inference.shapes import Chain
 
     args = dict(max_new_tokens=4, **kw) if "max_new_tokens" not in kw else kw
     with pytest.raises(DraftlabError, match=needle):

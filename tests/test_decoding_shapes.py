@@ -13,17 +13,8 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import (
-    PROPOSERS,
-    Block,
-    Chain,
-    ChainDraft,
-    DynamicTree,
-    Proposer,
-    StaticTree,
-    make_shape,
-    shape_fields,
-)
+from draftlab.inference.proposer import PROPOSERS, Proposer
+from draftlab.inference.shapes import Block, Chain, ChainDraft, DynamicTree, StaticTree, make_shape, shape_fields
 
 CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 

@@ -17,7 +17,8 @@ import yaml
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.diffusion import DiffusionProposer
-from draftlab.inference.proposer import Block, Chain, load_proposer
+from draftlab.inference.proposer import load_proposer
+from draftlab.inference.shapes import Block, Chain
 from draftlab.models.diffusion import DiffusionConfig, DiffusionDrafter, DiffusionLoss
 from draftlab.models.target import Target
 from tiny import assert_follows_target, assert_one_line, edit_checkpoint, random_samples, save_checkpoint, write_chat

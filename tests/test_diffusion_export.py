@@ -21,7 +21,8 @@ from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
 from draftlab.export.exporter import export_checkpoint
 from draftlab.export.importer import import_checkpoint
-from draftlab.inference.proposer import Block, load_proposer
+from draftlab.inference.proposer import load_proposer
+from draftlab.inference.shapes import Block
 from draftlab.models.diffusion import DiffusionConfig, DiffusionDrafter
 from tiny import assert_one_line, edit_checkpoint, random_samples, save_checkpoint
 

@@ -15,9 +15,9 @@ from draftlab.inference.decoder import Decoder, SpeculativeDecoder, generate_pla
 from draftlab.inference.draft_lm import DraftLMProposer, DraftLMRows
 from draftlab.inference.evaluate import evaluate
 from draftlab.inference.prompts import EvalPrompt
-from draftlab.inference.proposer import (
-    PROPOSERS, Chain, DynamicTree, Proposer, Sampling, StaticTree, load_proposer, process_logits,
-)
+from draftlab.inference.proposer import PROPOSERS, Proposer, load_proposer
+from draftlab.inference.sampling import Sampling, process_logits
+from draftlab.inference.shapes import Chain, DynamicTree, StaticTree
 from draftlab.inference.report import markdown
 from draftlab.models.drafter import DRAFTERS
 from draftlab.models.target import Target
@@ -121,7 +121,7 @@ def test_cache_holds_what_a_fresh_pass_over_the_committed_tokens_gives(tiny_llam
     n_new = 80  # beyond the first allocation of 64 slots
     res = SpeculativeDecoder(tiny_llama, noisy).generate(prompts[1], n_new, SHAPES[method])
     assert res.tokens[:N_NEW] == alone[1]
-    rows, lm = noisy._one, noisy.lm
+    rows, lm = noisy.rows_of_one, noisy.lm
     assert rows.cache.max_len > 64
     n = rows.committed[0]
     assert len(prompts[1]) + 40 < n <= len(prompts[1]) + n_new

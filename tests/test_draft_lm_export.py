@@ -26,7 +26,8 @@ from draftlab.export.exporter import export_checkpoint
 from draftlab.export.formats import ExportOptions
 from draftlab.export.importer import import_checkpoint
 from draftlab.inference.decoder import Decoder, generate_plain, single
-from draftlab.inference.proposer import Chain, load_proposer
+from draftlab.inference.proposer import load_proposer
+from draftlab.inference.shapes import Chain
 from draftlab.models.draft_lm import DraftLM, DraftLMConfig
 from draftlab.models.target import Target
 from tiny import assert_one_line, make_tokenizer, save_checkpoint

@@ -4,8 +4,8 @@ import torch
 
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.eagle import EagleProposer
-from draftlab.inference.hybrid import LookupFirstProposer
-from draftlab.inference.proposer import Chain
+from draftlab.inference.hybrid import lookup_first
+from draftlab.inference.shapes import Chain
 from draftlab.models.eagle import Eagle3Config, Eagle3Drafter
 
 
@@ -13,7 +13,7 @@ def _proposer(target, min_match):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     samples = [{"input_ids": torch.randint(0, target.vocab_size, (32,), generator=g), "loss_mask": torch.ones(32, dtype=torch.bool)} for _ in range(4)]
-    return LookupFirstProposer(EagleProposer(Eagle3Drafter.build(Eagle3Config(draft_vocab_size=96), target, samples)), min_match)
+    return lookup_first(EagleProposer(Eagle3Drafter.build(Eagle3Config(draft_vocab_size=96), target, samples)), min_match)
 
 
 def test_lookup_first_equals_plain_and_uses_both(tiny_llama):

@@ -21,7 +21,9 @@ from draftlab import checkpoint as ckpt
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import Decoder, SpeculativeDecoder, generate_plain, generate_plain_batch
 from draftlab.inference.layerskip import LayerSkipProposer, LayerSkipRows, _tree, swift_width
-from draftlab.inference.proposer import PROPOSERS, Chain, DynamicTree, Sampling, load_proposer, process_logits
+from draftlab.inference.proposer import PROPOSERS, load_proposer
+from draftlab.inference.sampling import Sampling, process_logits
+from draftlab.inference.shapes import Chain, DynamicTree
 from draftlab.models.drafter import DRAFTERS
 from draftlab.models.layerskip import LayerSkip, LayerSkipConfig, every_other_layer
 from draftlab.models.target import Target

@@ -14,7 +14,9 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import Decoder, SpeculativeDecoder, generate_plain
 from draftlab.inference.lookahead import LookaheadProposer, NgramPool, branch_size, window_layout
-from draftlab.inference.proposer import FREE_DRAFTERS, Chain, DynamicTree, process_logits
+from draftlab.inference.proposer import FREE_DRAFTERS
+from draftlab.inference.sampling import process_logits
+from draftlab.inference.shapes import Chain, DynamicTree
 from draftlab.inference.tree import validate_tree
 from tiny import assert_follows_target, assert_one_line
 

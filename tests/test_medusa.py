@@ -21,7 +21,8 @@ from draftlab.errors import DraftlabError
 from draftlab.export.exporter import export_checkpoint
 from draftlab.export.importer import import_checkpoint
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
-from draftlab.inference.proposer import Chain, DynamicTree, StaticTree, load_proposer
+from draftlab.inference.proposer import load_proposer
+from draftlab.inference.shapes import Chain, DynamicTree, StaticTree
 from draftlab.losses.medusa import data_loss, distill_loss, head_weights, topk_agreement
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter, MedusaLoss
 from tiny import assert_one_line, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint

@@ -24,7 +24,8 @@ from draftlab.errors import DraftlabError
 from draftlab.export.medusa2 import export_merged_target
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.medusa2 import greedy_divergence
-from draftlab.inference.proposer import Chain, StaticTree, load_proposer
+from draftlab.inference.proposer import load_proposer
+from draftlab.inference.shapes import Chain, StaticTree
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter
 from draftlab.models.medusa2 import LORA_TARGETS, Medusa2Config, Medusa2Drafter, Medusa2Loss
 from tiny import assert_one_line, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint, write_chat

@@ -435,7 +435,8 @@ EDGES = {  # configs at the edges of what the schemas accept, and the shape to d
 @pytest.mark.parametrize("name", sorted(EDGES))
 def test_a_checkpoint_at_the_edges_of_its_schema_decodes(name, tiny_llama, tmp_path):
     from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
-    from draftlab.inference.proposer import Block, Chain, load_proposer
+    from draftlab.inference.proposer import load_proposer
+    from draftlab.inference.shapes import Block, Chain
 
     cfg, kind = EDGES[name]
     family = DRAFTERS.get(name)

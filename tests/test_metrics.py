@@ -221,7 +221,7 @@ def test_evaluate_report(tiny_llama, tmp_path):
     from draftlab.inference.evaluate import evaluate
     from draftlab.inference.ngram import NgramProposer
     from draftlab.inference.prompts import load_prompts
-    from draftlab.inference.proposer import Chain, DynamicTree
+    from draftlab.inference.shapes import Chain, DynamicTree
 
     prompts = load_prompts(str(_prompt_file(tmp_path)), tiny_llama.tokenizer)
     rep = evaluate(tiny_llama, NgramProposer(), prompts, Chain(3), max_new_tokens=12, data="eval.jsonl")

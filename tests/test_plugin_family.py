@@ -23,7 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftlab.export.formats import ExportOptions, Format, register
-from draftlab.inference.proposer import PROPOSERS, ChainDraft, Proposer
+from draftlab.inference.proposer import PROPOSERS, Proposer, draft_vocab_size
+from draftlab.inference.shapes import ChainDraft
 from draftlab.models.drafter import DRAFTERS, Drafter, DrafterMeta, PositiveFloat, TargetHiddenSize, TargetNumLayers, TargetVocabSize
 from tiny import write_chat
 
@@ -113,7 +114,8 @@ class ToyBigramDrafter(Drafter):
 class ToyBigramProposer(Proposer):
     shapes = frozenset({"chain"})
 
-    def __init__(self, drafter: ToyBigramDrafter):
+    def __init__(self, drafter: ToyBigramDrafter, trained_depth: int | None = None):
+        super().__init__(draft_vocab=draft_vocab_size(drafter), trained_depth=trained_depth)
         self.drafter = drafter.eval()
         self.name = ALGORITHM
         self.layers = tuple(drafter.capture_layers)
@@ -186,7 +188,8 @@ def test_a_family_defined_in_one_file_trains_resumes_decodes_and_exports(tmp_pat
     from draftlab.export.exporter import export_checkpoint
     from draftlab.export.importer import import_checkpoint
     from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
-    from draftlab.inference.proposer import Chain, load_proposer
+    from draftlab.inference.proposer import load_proposer
+    from draftlab.inference.shapes import Chain
     from draftlab.recipe import load_recipe
 
     target_dir = tiny_target_dirs["llama"]

@@ -13,7 +13,8 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import Decoder, SpeculativeDecoder, generate_plain
-from draftlab.inference.proposer import FREE_DRAFTERS, Chain, DynamicTree
+from draftlab.inference.proposer import FREE_DRAFTERS
+from draftlab.inference.shapes import Chain, DynamicTree
 from draftlab.inference.suffix import SuffixProposer, SuffixTrie
 from draftlab.inference.tree import validate_tree
 from tiny import assert_follows_target, assert_one_line, write_chat

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from draftlab.inference.decoder import Decoder, generate_plain_batch
-from draftlab.inference.proposer import BatchProposer, Chain, ChainDraft, RowProposers
+from draftlab.inference.proposer import BatchProposer, DraftsWithTarget, RowProposers
+from draftlab.inference.shapes import Chain, ChainDraft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +46,7 @@ class _Rows(RowProposers):
         return [ChainDraft(t) for t in torch.cat(drafts, 1)]
 
 
-class _SelfDraft(BatchProposer):
+class _SelfDraft(BatchProposer, DraftsWithTarget):
     name = "self"
     shapes = frozenset({"chain"})
 

@@ -168,7 +168,7 @@ def assert_one_line(excinfo, match: str) -> None:
 @torch.no_grad()
 def exact_joint(target, prompt, depth, temperature, top_k):
     """{(t0, .., t_{depth-1}): probability} of the target's first tokens under processing."""
-    from draftlab.inference.proposer import process_logits
+    from draftlab.inference.sampling import process_logits
 
     joint = {(): 1.0}
     for _ in range(depth):
@@ -197,7 +197,7 @@ def assert_batch_follows_target(decoder, target, prompts, temperature: float, to
     step accepted 0, 1 and 2 drafts at times, so every verify path was taken."""
     from collections import Counter
 
-    from draftlab.inference.proposer import Chain
+    from draftlab.inference.shapes import Chain
 
     counts, accepted = [Counter() for _ in prompts], Counter()
     for s in range(n):

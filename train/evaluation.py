@@ -44,7 +44,8 @@ class CheckpointEvaluator:
     def __init__(self, recipe, target, samples, drafter=None):
         from draftlab.inference.decoding_spec import check_spec, field_names
         from draftlab.inference.prompts import load_prompts
-        from draftlab.inference.proposer import PROPOSERS, check_shape
+        from draftlab.inference.proposer import PROPOSERS
+        from draftlab.inference.shapes import check_shape
 
         self.recipe, self.target = recipe, target
         self.dir = Path(recipe.output_dir) / "eval"

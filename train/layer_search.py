@@ -282,7 +282,7 @@ def run(recipe) -> dict:
     from draftlab.data.dataset import build_samples
     from draftlab.inference.decoding_spec import check_spec, field_names
     from draftlab.inference.layerskip import LayerSkipProposer
-    from draftlab.inference.proposer import check_shape
+    from draftlab.inference.shapes import check_shape
     from draftlab.inference.prompts import load_prompts
     from draftlab.models.layerskip import every_other_layer
     from draftlab.models.target import Target
