@@ -24,12 +24,13 @@ from draftlab import checkpoint as ckpt
 from draftlab.cli import main as cli_main
 from draftlab.data.features import FeatureSource
 from draftlab.errors import DraftlabError
-from draftlab.train import hooks, run_lock
+from draftlab.train import hooks, process_identity, run_lock
 from draftlab.train.preemption import EXIT_PREEMPTED
 from test_resume_and_writes import _full_disk, _leftovers, _one_line, _train
 from test_train import REPO, chat_file, write_recipe  # noqa: F401  (chat_file: a fixture)
 
 STEPS = 6  # checkpoints every 2 steps (write_recipe)
+MAIN_JOB = {"mode": "memory"}  # the main job's feature source: features kept in RAM after the first epoch's capture
 
 
 def _launch(recipe, fault: str, step: int, rank: str = "all", launcher=None, timeout=300, overrides=()):
@@ -58,7 +59,7 @@ def _all_finite(run: Path) -> None:
 def reference(tmp_path_factory, tiny_target_dirs, chat_file):  # noqa: F811
     """An uninterrupted single-process run of STEPS steps: its final checkpoint and weights."""
     root = tmp_path_factory.mktemp("reference")
-    assert cli_main(["train", str(write_recipe(root, tiny_target_dirs["llama"], chat_file))]) == 0
+    assert cli_main(["train", str(write_recipe(root, tiny_target_dirs["llama"], chat_file, capture=MAIN_JOB))]) == 0
     final = ckpt.step_dir(root / "run", STEPS)
     return {"dir": final, "weights": load_file(final / ckpt.WEIGHTS)}
 
@@ -74,7 +75,7 @@ def _same_weights(run: Path, reference: dict) -> None:
 def test_sigterm_checkpoints_the_step_and_a_relaunch_ends_bitwise(tmp_path, tiny_target_dirs, chat_file, reference, capsys):  # noqa: F811
     """SIGTERM lands after step 2: step 3 is finished and checkpointed (not a periodic checkpoint),
     the process exits 75 with one line; the relaunch resumes at step 3 and ends bitwise equal."""
-    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file)
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, capture=MAIN_JOB)
     res = _launch(recipe, "SIGTERM", 2)
     assert res.returncode == EXIT_PREEMPTED, res.stderr[-3000:]
     run = tmp_path / "run"
@@ -109,7 +110,7 @@ def send_after(monkeypatch):
 
 def test_the_preemption_signals_are_configurable(tmp_path, tiny_target_dirs, chat_file, reference, capsys, send_after):  # noqa: F811
     """``train.preempt_signals: [SIGUSR2]``: that signal preempts (exit 75, in one line); SIGTERM is left alone."""
-    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"preempt_signals": ["SIGUSR2"]})
+    recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, capture=MAIN_JOB, train={"preempt_signals": ["SIGUSR2"]})
     noted = send_after(2, signal.SIGUSR2)
     capsys.readouterr()
     assert cli_main(["train", str(recipe)]) == EXIT_PREEMPTED
@@ -330,6 +331,34 @@ def test_a_nan_on_one_rank_stops_every_rank(tmp_path, tiny_target_dirs, chat_fil
     assert all(e.startswith("step 4: non-finite loss (nan) on process 1, micro-batch") for e in errors), errors
     assert _steps(tmp_path / "run") == ["step-0000002"]
     _all_finite(tmp_path / "run")
+
+
+def test_the_dead_rank_watch_reads_heartbeats(tmp_path, monkeypatch):
+    """Process 1 on this host: dead once its process is gone, unless it removed its heartbeat (left
+    normally). On another host: dead once its heartbeat has not been touched for STALE_S."""
+    from draftlab.train import dead_ranks
+
+    watch = dead_ranks.DeadRankWatch(tmp_path, 0, 2, "draftlab train")
+    beat = tmp_path / ".ranks" / "rank-1.json"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    atomic.write_json(beat, process_identity.me())  # this process: alive
+    assert watch.dead() is None
+    atomic.write_json(beat, {"pid": gone.pid, "host": socket.gethostname(), "started": time.time()})
+    assert watch.dead() == f"process 1 (pid {gone.pid} on host {socket.gethostname()}) died without an error (killed?)"
+    beat.unlink()
+    assert watch.dead() is None
+    clock = [1000.0]
+    monkeypatch.setattr(dead_ranks.time, "monotonic", lambda: clock[0])
+    atomic.write_json(beat, {"pid": 1, "host": "elsewhere", "started": 1.0})
+    assert watch.dead() is None  # first seen now
+    clock[0] += dead_ranks.STALE_S - 1
+    os.utime(beat, ns=(1, 1))  # touched: alive, and seen to change now
+    assert watch.dead() is None
+    clock[0] += dead_ranks.STALE_S - 1
+    assert watch.dead() is None
+    clock[0] += 2
+    assert watch.dead() == "process 1 (pid 1 on host elsewhere) died without an error (killed?)"
 
 
 @pytest.mark.distributed

@@ -71,8 +71,12 @@ class DeadRankWatch:
                 continue
             f = self.dir / f"rank-{r}.json"
             try:
-                mtime = f.stat().st_mtime_ns
-                who = _read_heartbeat(f)
+                # opened, then its attributes read from the open file: NFS revalidates cached attributes on open
+                with open(f, "rb") as fh:
+                    mtime = os.fstat(fh.fileno()).st_mtime_ns
+                    who = json.loads(fh.read())
+                if not isinstance(who, dict):
+                    continue
             except (OSError, ValueError):
                 continue  # gone: that rank left normally
             alive = process_identity.running(who)
@@ -126,9 +130,3 @@ class DeadRankWatch:
             if dead and not self._stop.is_set():
                 self._report(dead)
 
-
-def _read_heartbeat(f: Path) -> dict:
-    obj = json.loads(f.read_text())
-    if not isinstance(obj, dict):
-        raise ValueError(f"{f}: not a heartbeat")
-    return obj
