@@ -275,25 +275,6 @@ Shape = Union[Chain, Block, DynamicTree, StaticTree]
 METHODS: dict[str, type] = {cls.method: cls for cls in (Chain, DynamicTree, StaticTree, Block)}
 
 
-def make_shape(method: str, k: int = 5, min_confidence: float = 0.0, tree: dict | None = None, choices=None) -> Shape:
-    """The shape a recipe's eval section or ``draftlab eval``'s flags ask for, by method name:
-    ``k`` (and ``min_confidence``) for chain and block, ``tree`` (:class:`DynamicTree`'s fields)
-    for "tree", ``choices`` for "static_tree"."""
-    if method not in METHODS:
-        raise DraftlabError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
-    if min_confidence and method != "chain":
-        raise DraftlabError(f"min_confidence applies to method chain, not '{method}'")
-    if method == "static_tree" and choices is None:
-        raise DraftlabError(f"method static_tree needs choices (paths of candidate ranks, e.g. {CHOICES_EXAMPLE})")
-    if method == "chain":
-        return Chain(k, min_confidence)
-    if method == "block":
-        return Block(k)
-    if method == "tree":
-        return DynamicTree(**(tree or {}))
-    return StaticTree(choices)
-
-
 def shape_fields(shape: Shape) -> dict:
     """The shape in a report: ``method``, ``k`` (chain and block) and ``tree`` (dynamic tree),
     None where they do not apply, plus ``static_tree`` choices and ``min_confidence`` when used."""

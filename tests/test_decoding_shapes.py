@@ -14,7 +14,8 @@ from draftlab.errors import DraftlabError
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.ngram import NgramProposer
 from draftlab.inference.proposer import PROPOSERS, Proposer
-from draftlab.inference.shapes import Block, Chain, ChainDraft, DynamicTree, StaticTree, make_shape, shape_fields
+from draftlab.inference.decoding_spec import DecodingSpec, check_spec
+from draftlab.inference.shapes import Block, Chain, ChainDraft, DynamicTree, StaticTree, shape_fields
 
 CHOICES = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 
@@ -63,17 +64,19 @@ def test_undeclared_shape_is_refused(tiny_llama, proposer, shape):
 
 
 def test_shapes_by_method_name_and_in_reports():
-    assert make_shape("chain", k=3, min_confidence=0.2) == Chain(3, 0.2)
-    assert make_shape("block", k=2) == Block(2)
-    assert make_shape("tree", tree={"depth": 3, "top_k": 2, "total_tokens": 9}) == DynamicTree(3, 2, 9)
-    static = make_shape("static_tree", choices=CHOICES)
+    assert DecodingSpec(method="chain", k=3, min_confidence=0.2).shape() == Chain(3, 0.2)
+    assert DecodingSpec(method="block", k=2).shape() == Block(2)
+    assert DecodingSpec(method="tree", tree={"depth": 3, "top_k": 2, "total_tokens": 9}).shape() == DynamicTree(3, 2, 9)
+    static = DecodingSpec(method="static_tree", static_tree=CHOICES).shape()
     assert static.choices == tuple(map(tuple, CHOICES)) and static.max_nodes == 5 and static.max_depth == 3
     assert shape_fields(Chain(3)) == {"method": "chain", "k": 3, "tree": None}
     assert shape_fields(DynamicTree(3, 2, 9)) == {"method": "tree", "k": None, "tree": {"depth": 3, "top_k": 2, "total_tokens": 9}}
     assert shape_fields(static) == {"method": "static_tree", "k": None, "tree": None, "static_tree": CHOICES}
-    for bad in (lambda: make_shape("beam"), lambda: make_shape("static_tree"), lambda: make_shape("tree", min_confidence=0.5)):
+    with pytest.raises(ValueError, match="method"):  # pydantic's: a method no shape has
+        DecodingSpec(method="beam")
+    for bad in (dict(method="static_tree"), dict(method="tree", min_confidence=0.5)):
         with pytest.raises(DraftlabError):
-            bad()
+            check_spec(DecodingSpec(**bad))
     assert PROPOSERS.get("ngram") is NgramProposer
 
 
