@@ -410,7 +410,7 @@ class Trainer:
         found = ckpt.list_checkpoints(self.run_dir)
         skipped = f" after {self.skipped} skipped (train.skip_nonfinite)" if t.skip_nonfinite else ""
         raise DraftlabError(
-            f"step {step}: non-finite {nonfinite}{skipped}; the run stops without updating or checkpointing its weights "
+            f"step {step}: non-finite {nonfinite}{skipped}; the run stops here and no checkpoint holds this step "
             f"(last checkpoint: {found[-1].name if found else 'none'}): lower train.lr, or relaunch with "
             f"train.skip_nonfinite=N to skip up to N such steps"
         )
