@@ -285,6 +285,8 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         f = opener(path, "rb")
+    except FileNotFoundError:
+        raise DraftlabError(f"data file not found: {path}") from None
     except OSError as e:
         raise DraftlabError(f"cannot read data file {path}: {e.strerror}") from e
     with f:

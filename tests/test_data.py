@@ -248,6 +248,8 @@ def test_iter_jsonl_reads_gzip_and_names_the_bad_line(tmp_path):
     cut.write_bytes(packed.read_bytes()[:-12])
     with pytest.raises(DraftlabError, match=r"cannot read data file .*cut\.jsonl\.gz"):
         list(sources.iter_jsonl(cut))
+    with pytest.raises(DraftlabError, match=r"data file not found: .*gone\.jsonl"):
+        list(sources.iter_jsonl(tmp_path / "gone.jsonl"))
 
 
 @pytest.mark.parametrize("kind", ["missing", "not_json", "not_list", "jsonl_broken", "corrupt_middle", "empty"])
