@@ -72,12 +72,13 @@ def _rows(prompts, B):
     return [prompts[i % len(prompts)].prompt_ids for i in range(B)]
 
 
-def plain_speed(target, prompts, batch_sizes, steps: int, graphs: bool) -> list[dict]:
-    """ms/step and tok/s of plain decoding at each batch size (after one warm-up decoding)."""
+def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None) -> list[dict]:
+    """ms/step and tok/s of plain decoding at each batch size (after one warm-up decoding);
+    ``graphs``: None (eager), "cuda" or "replay" (:class:`GraphedTarget`'s modes)."""
     from draftlab.inference.decoder import Decoder
     from draftlab.inference.graphs import GraphedTarget
 
-    model = GraphedTarget(target) if graphs else target
+    model = GraphedTarget(target, mode=graphs) if graphs else target
     out = []
     for B in batch_sizes:
         rows = _rows(prompts, B)
@@ -85,10 +86,16 @@ def plain_speed(target, prompts, batch_sizes, steps: int, graphs: bool) -> list[
         dec.generate(rows, min(steps, 8), None)  # warm-up: kernels compiled, graphs captured
         if target.device.type == "cuda":
             torch.cuda.synchronize()
+        if graphs == "cuda":
+            model.replay_marks = []  # each replay's device time: a step's forward, without the host's share
         res = dec.generate(rows, steps, None)
         decode_s = res.total_time - res.prefill_time
+        forward = {}
+        if graphs == "cuda" and model.replay_marks:
+            forward["forward_ms"] = sum(a.elapsed_time(b) for a, b in model.replay_marks) / len(model.replay_marks)
+            model.replay_marks = None
         out.append({"batch": B, "ms_per_step": 1e3 * decode_s / res.num_steps,
-                    "tokens_per_s": res.num_tokens / decode_s, "steps": res.num_steps})
+                    "tokens_per_s": res.num_tokens / decode_s, "steps": res.num_steps, **forward})
     return out
 
 
@@ -160,7 +167,8 @@ def drafter_runs(target, prompts, specs, max_new_tokens: int, graphs: bool) -> l
     from draftlab.inference.evaluate import evaluate
     from draftlab.inference.lookahead import LookaheadProposer
     from draftlab.inference.oracle import OracleProposer
-    from draftlab.inference.proposer import Chain, DynamicTree, load_proposer
+    from draftlab.inference.proposer import load_proposer
+    from draftlab.inference.shapes import Chain, DynamicTree
 
     eos = target.tokenizer.eos_token_id
     out = []
@@ -183,6 +191,24 @@ def drafter_runs(target, prompts, specs, max_new_tokens: int, graphs: bool) -> l
                     **({"cuda_graphs": rep["cuda_graphs"]} if "cuda_graphs" in rep else {})})
         print(f"  {label}: tau {rep['tau']:.2f}, speedup {rep['speedup']:.2f}x", flush=True)
     return out
+
+
+def profile_steps(target, prompts, proposer_shape=None, steps: int = 32) -> str:
+    """The profiler's table of host time by op over ``steps`` graphed decode steps at batch 1
+    (plain, or drafting ``proposer_shape`` = (proposer, shape)): where a step's host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftlab.inference.decoder import Decoder
+    from draftlab.inference.graphs import GraphedTarget
+
+    model = GraphedTarget(target)
+    proposer, shape = proposer_shape or (None, None)
+    dec = Decoder(model, proposer)
+    rows = _rows(prompts, 1)
+    dec.generate(rows, steps, shape)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dec.generate(rows, steps, shape)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
 def _drafter_spec(value: str):
@@ -227,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--drafter", type=_drafter_spec, action="append", default=[], help="NAME=CHECKPOINT[:K] (chain K, default 1)")
     p.add_argument("--no-drafters", action="store_true", help="plain decoding only")
+    p.add_argument("--replay-graphs", action="store_true", help="on CPU: also run the graphed path in replay mode (a check)")
+    p.add_argument("--profile", action="store_true", help="also print where host time goes (CUDA: plain and oracle k=3 steps)")
     p.add_argument("--out", default="gpu_decode.json")
     args = p.parse_args(argv)
 
@@ -247,31 +275,70 @@ def main(argv=None) -> int:
     report = {"device": _device_name(device), "torch": torch.__version__, "dtype": str(target.dtype).removeprefix("torch."),
               "target": target.identity.get("name"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "load_s": time.perf_counter() - t0, "steps": steps, "plain": [], "drafters": []}
-    engines = ["reference"] + (["fused"] if target.fused_decode else [])
-    default_engine = engines[-1]
-    for engine in engines:
+    engines = (["fused"] if target.fused_decode else []) + ["reference"]  # the default engine first
+    default_engine = engines[0]
+    graph_modes = ["cuda", None] if cuda else [None] + (["replay"] if args.replay_graphs else [])
+
+    def section(name: str, fn) -> None:
+        """Run one part; a failure is recorded and the rest still runs (the JSON is rewritten after each)."""
+        print(name, flush=True)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a report with every part that ran beats none
+            report.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"  FAILED: {report['errors'][name]}", flush=True)
+        write_json(args.out, report)
+
+    def plain(engine, mode):
         target.fused_decode = engine == "fused"
-        for graphs in ((False, True) if cuda else (False,)):
-            print(f"plain decoding: {engine} layer, {'CUDA graphs' if graphs else 'eager'}", flush=True)
-            for row in plain_speed(target, prompts, batch_sizes, steps, graphs):
-                report["plain"].append({"engine": engine, "graphs": graphs, **row})
+        for row in plain_speed(target, prompts, batch_sizes, steps, mode):
+            report["plain"].append({"engine": engine, "graphs": mode or "eager", **row})
+
+    def counts(engine):
+        target.fused_decode = engine == "fused"
         report.setdefault("kernels_per_step", {})[engine] = kernels_per_step(target, prompts)
         report.setdefault("host_reads_per_step", {})[engine] = host_reads_per_step(target, prompts, [1, 16] if cuda else [1, 4])
-    target.fused_decode = default_engine == "fused"
-    if not args.no_drafters:
+
+    def drafters():
+        target.fused_decode = default_engine == "fused"
         specs = [("oracle k=1", "oracle", None, 1), ("oracle k=3", "oracle", None, 3), ("lookahead", "lookahead", None, 0)]
-        print(f"drafters ({default_engine} layer{', CUDA graphs' if cuda else ''}):", flush=True)
         report["drafters"] = drafter_runs(target, prompts, specs + args.drafter, args.max_new_tokens, cuda)
+
+    def profiles():
+        from draftlab.inference.oracle import OracleProposer
+        from draftlab.inference.shapes import Chain
+
+        target.fused_decode = default_engine == "fused"
+        oracle = OracleProposer(target, 64)
+        oracle.prepare([prompts[0].prompt_ids], target.tokenizer.eos_token_id)
+        for label, ps in (("plain", None), ("oracle k=3", (oracle, Chain(3)))):
+            print(f"\nhost time by op, {label}, batch 1, 32 graphed steps:\n{profile_steps(target, prompts, ps)}")
+
+    for mode in graph_modes:
+        section(f"plain decoding: {default_engine} layer, graphs {mode or 'off'}", lambda: plain(default_engine, mode))
+    section(f"kernels and host reads per step: {default_engine} layer", lambda: counts(default_engine))
+    if not args.no_drafters:
+        section(f"drafters ({default_engine} layer{', CUDA graphs' if cuda else ''})", drafters)
+    for engine in engines[1:]:
+        for mode in graph_modes:
+            section(f"plain decoding: {engine} layer, graphs {mode or 'off'}", lambda: plain(engine, mode))
+        section(f"kernels and host reads per step: {engine} layer", lambda: counts(engine))
     report["engine"] = default_engine
-    write_json(args.out, report)
+    if args.profile and cuda:
+        section("profiles", profiles)
+    target.fused_decode = default_engine == "fused"
     print(f"\n{report['device']}, {report['dtype']}, torch {report['torch']}\n")
-    print(table(report["plain"], ["engine", "graphs", "batch", "ms_per_step", "tokens_per_s"]))
-    print(table([{"engine": e, "kernels_per_step": report["kernels_per_step"][e], **report["host_reads_per_step"][e]}
-                 for e in engines], ["engine", "kernels_per_step", *report["host_reads_per_step"][engines[0]]]))
+    print(table(report["plain"], ["engine", "graphs", "batch", "ms_per_step", "forward_ms", "tokens_per_s"]))
+    counted = [e for e in engines if e in report.get("host_reads_per_step", {})]
+    if counted:
+        print(table([{"engine": e, "kernels_per_step": report["kernels_per_step"][e], **report["host_reads_per_step"][e]}
+                     for e in counted], ["engine", "kernels_per_step", *report["host_reads_per_step"][counted[0]]]))
     if report["drafters"]:
         print(table(report["drafters"], ["drafter", "k", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "greedy_match"]))
+    for name, why in report.get("errors", {}).items():
+        print(f"FAILED {name}: {why}")
     print(f"wrote {args.out}")
-    return 0
+    return 1 if report.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache, prefill
@@ -154,8 +155,7 @@ class Decoder:
         if not rows:
             return
         device = self.target.device
-        tokens = [torch.tensor([t for v, p in batch.unread[b] for t in v.tokens[p]], dtype=torch.long, device=device)
-                  for b in rows]
+        tokens = [device_ints([t for v, p in batch.unread[b] for t in v.tokens[p]], device) for b in rows]
         hidden = []
         for b in rows:
             parts = [v.row_hidden(p) for v, p in batch.unread[b]]
@@ -166,11 +166,14 @@ class Decoder:
 
     def _plain_step(self, batch: _Batch, cache, sampling: Sampling, verify) -> _Verified:
         """One token per row: the forward over each row's last token."""
-        ids = batch.inputs(cache, 1, self.target.device)
-        ids[batch.slots, 0] = torch.tensor([batch.last[r] for r in batch.rows], device=self.target.device)
+        device = self.target.device
+        last = [0] * cache.batch_size  # idle rows: a dummy token
+        for s, r in zip(batch.slots, batch.rows):
+            last[s] = batch.last[r]
+        ids = device_ints(last, device)[:, None]
         past = list(cache.lengths)
         out = verify(self.target, ids, layers=self.layers, cache=cache, logits="last")
-        tokens = verify(next_tokens, out.logits[batch.slots, -1], sampling)
+        tokens = verify(next_tokens, out.logits[device_ints(batch.slots, device), -1], sampling)
         batch.keep(cache, past, [1] * len(batch.rows))
         zeros = [0] * len(tokens)
         return _Verified([[t] for t in tokens], zeros, zeros, zeros, out.hidden, list(batch.slots), [_FIRST] * len(tokens))
@@ -180,11 +183,12 @@ class Decoder:
         keeps its last token and its accepted drafts."""
         device = self.target.device
         ids, probs = map(list, zip(*(checked_chain(d, shape, self.target, self.proposer.name) for d in drafts)))
-        inputs = batch.inputs(cache, 1 + max(t.numel() for t in ids), device)
-        for b, (s, t) in enumerate(zip(batch.slots, ids)):
-            inputs[s, 0] = batch.last[batch.rows[b]]
-            inputs[s, 1 : 1 + t.numel()] = t
-        N = inputs.shape[1]
+        N = 1 + max(t.numel() for t in ids)
+        # each row's [last, d_1..d_k] written by one scatter, whatever the batch size
+        cells = [s * N for s in batch.slots] + [s * N + 1 + j for s, t in zip(batch.slots, ids) for j in range(t.numel())]
+        inputs = batch.inputs(cache, N, device).view(-1)
+        inputs[device_ints(cells, device)] = torch.cat([device_ints([batch.last[r] for r in batch.rows], device), *ids])
+        inputs = inputs.view(-1, N)
         positions = mask = None
         branches = [d.branch for d in drafts]
         if any(branches):
@@ -270,7 +274,7 @@ def _branch_handoff(batch: _Batch, branches, logits: torch.Tensor, N: int):
 
 class TargetSteps:
     """The target and its KV cache between two steps, for a proposer that drafts with the target
-    itself (:meth:`Proposer.use_target`): :meth:`forward` runs the target over one row of inputs
+    itself (:class:`~draftlab.inference.proposer.DraftsWithTarget`): :meth:`forward` runs the target over one row of inputs
     per sequence still decoding, written after each row's kept tokens and what earlier forwards of
     the same draft wrote. The decoder rolls the cache back once ``propose`` returns, so what a
     draft wrote is overwritten by the verify forward. Rows are the sequences still decoding, in
@@ -351,18 +355,20 @@ class _Run:
             for b, r in enumerate(going):
                 self.proposers.start(b, prompts[r], hidden[r], first[r])
         self.t1 = self.clock()  # the drafter's pass over the prompts belongs to the prefill, as in a serving engine
-        self.verify.seconds = 0.0
+        self.verify.spans.clear()
         self.draft_lengths: list[int] = []
 
     def result(self) -> BatchResult:
-        t2 = self.clock()
+        t2, clock = self.clock(), self.clock
+        prefill, draft, verify = clock.seconds(self.t0, self.t1), self.draft.seconds, self.verify.seconds
+        decode = clock.seconds(self.t1, t2) - clock.total(clock.suspended)
         b = self.batch
         rows = [GenerationResult(e.tokens, stop_reason=e.stop_reason, num_steps=len(b.stats[r][0]),
                                  **dict(zip(("accept_lengths", "num_drafted", "draft_depths"), b.stats[r])))
                 for r, e in enumerate(b.emitters)]
-        return BatchResult(rows, prefill_time=self.t1 - self.t0, draft_time=self.draft.seconds,
-                           verify_time=self.verify.seconds, other_time=t2 - self.t1 - self.draft.seconds - self.verify.seconds,
-                           total_time=t2 - self.t0, num_steps=len(self.draft_lengths), draft_lengths=self.draft_lengths)
+        return BatchResult(rows, prefill_time=prefill, draft_time=draft, verify_time=verify,
+                           other_time=decode - draft - verify, total_time=prefill + decode, num_steps=len(self.draft_lengths),
+                           draft_lengths=self.draft_lengths)
 
 
 @dataclass
@@ -540,36 +546,54 @@ def _cache_slots(prompts) -> list[int]:
 
 
 class _Clock:
-    """perf_counter that waits for queued GPU work, so the split between phases is honest, less
-    the time its decoding spent suspended between steps (:func:`run_lockstep`)."""
+    """Marks on one decoding's timeline and the seconds between them, less the time its decoding
+    spent suspended between steps (:func:`run_lockstep`). On CUDA a mark is an event recorded on
+    the stream, read once the decoding ends: timing never makes the host wait for the device.
+    Elsewhere it is ``perf_counter``."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.suspended = 0.0
+        self.suspended: list[tuple] = []  # (mark, mark) spans between steps
 
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - self.suspended
+    def __call__(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (on CUDA: waits for ``b``)."""
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
     def pause(self):
         """Yield between two steps; the time until resumed is other decodings', not this one's."""
         t = self()
         yield
-        self.suspended += self() - t
+        self.suspended.append((t, self()))
+
+    def total(self, spans) -> float:
+        return sum(self.seconds(a, b) for a, b in spans)
 
 
 class _Stopwatch:
     """Times the calls made through it on ``clock``."""
 
     def __init__(self, clock: _Clock):
-        self.clock, self.seconds = clock, 0.0
+        self.clock, self.spans = clock, []
 
     def __call__(self, fn, *args, **kw):
         t0 = self.clock()
         out = fn(*args, **kw)
-        self.seconds += self.clock() - t0
+        self.spans.append((t0, self.clock()))
         return out
+
+    @property
+    def seconds(self) -> float:
+        return self.clock.total(self.spans)
 
 
 def run_lockstep(decodings) -> list:

@@ -31,13 +31,19 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.proposer import OwnModel
-from draftlab.models.target import CACHE_SLOT_MULTIPLE, CacheStep, RaggedKVCache, TargetOutput
+from draftlab.device import device_ints
+from draftlab.models.target import CACHE_SLOT_MULTIPLE, RaggedKVCache, TargetOutput
 
 
 @dataclass
 class _Graph:
+    """A captured forward and its input buffers: the step's inputs, each row's cache length [B, 1],
+    and, where the forward takes them, position offsets [B, T] and the attention mask."""
+
     ids: torch.Tensor
-    step: CacheStep  # its tensors are the graph's input buffers
+    lengths: torch.Tensor
+    offsets: torch.Tensor | None
+    mask: torch.Tensor | None
     replay: Callable[[], TargetOutput]
 
 
@@ -57,6 +63,7 @@ class GraphedTarget:
         self._graphs: dict[tuple, _Graph] = {}
         self._failed: dict[tuple, str] = {}  # shapes whose capture failed: eager, and why
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.replay_marks: list | None = None  # set to a list: (start, end) CUDA events of each replay go there
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -76,8 +83,8 @@ class GraphedTarget:
             i = free[0] if free else len(self._buffers)
             old = self._buffers[i][0] if free else None
             if old is not None:
-                self._graphs = {k: g for k, g in self._graphs.items() if k[-2] != old.k.data_ptr()}
-                self._failed = {k: w for k, w in self._failed.items() if k[-2] != old.k.data_ptr()}
+                self._graphs = {k: g for k, g in self._graphs.items() if k[0] != old.k.data_ptr()}
+                self._failed = {k: w for k, w in self._failed.items() if k[0] != old.k.data_ptr()}
             rows = max(batch_size, old.batch_size if old else 0)
             slots = -(-max(max_len, self.min_len, old.max_len if old else 0) // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
             buf = self.target.new_cache(rows, slots, static=True)
@@ -94,49 +101,76 @@ class GraphedTarget:
         if not (isinstance(cache, RaggedKVCache) and cache.static):
             return self.target.forward(input_ids, layers, cache, position_ids, attn_mask, logits, skip)
         B, T = input_ids.shape
-        step = cache.begin(T, position_ids, attn_mask)
-        key = (B, T, logits, tuple(sorted(layers)), frozenset(skip), cache.k.data_ptr(), cache.k.stride())
+        need = cache.check(T, attn_mask)
+        if attn_mask is not None and attn_mask.shape[-1] != T:  # over past and new slots: padded to all of them
+            attn_mask = torch.nn.functional.pad(attn_mask, (0, cache.max_len - need))
+        # the buffer first: a grown buffer's graphs are dropped by it
+        key = (cache.k.data_ptr(), cache.k.stride(), B, T, logits, tuple(sorted(layers)), frozenset(skip),
+               position_ids is None, None if attn_mask is None else tuple(attn_mask.shape))
         graph, why = self._graphs.get(key), self._failed.get(key)
         if graph is None and why is None:
             why = "wider than max_inputs" if T > self.max_inputs else "past max_graphs" if len(self._graphs) >= self.max_graphs else None
             if why is None:
                 try:
-                    graph = self._graphs[key] = self._capture(input_ids, cache, step, tuple(layers), logits, tuple(skip))
+                    graph = self._graphs[key] = self._capture(input_ids, cache, position_ids, attn_mask, tuple(layers), logits,
+                                                              tuple(skip))
                     self.stats["captured"] += 1
                 except RuntimeError as e:  # an op that syncs with the host (e.g. a dynamic RoPE's max position)
                     self._failed[key] = why = f"capture failed ({str(e).splitlines()[0][:80]})"
         if graph is None:
             self.stats[f"eager: {why}"] += 1
+            step = cache.begin(T, position_ids, attn_mask if attn_mask is None or attn_mask.shape[-1] == T else attn_mask[..., :need])
             out = self.target.forward_step(input_ids, cache, step, layers, logits, skip)
             cache.advance(T)
             return out
-        graph.ids.copy_(input_ids)
-        for name in ("positions", "mask", "slots"):
-            getattr(graph.step, name).copy_(getattr(step, name))
-        out = graph.replay()
+        self._fill(graph, input_ids, cache, position_ids, attn_mask)
+        if self.replay_marks is not None and self.mode == "cuda":  # the device's share of a step (bench/gpu_decode.py)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = graph.replay()
+            end.record()
+            self.replay_marks.append((start, end))
+        else:
+            out = graph.replay()
         self.stats["replayed"] += 1
         cache.advance(T)
         return TargetOutput(None if out.logits is None else out.logits.clone(), {i: h.clone() for i, h in out.hidden.items()})
 
     __call__ = forward
 
-    def _capture(self, input_ids, cache: RaggedKVCache, step: CacheStep, layers, logits, skip) -> _Graph:
-        """Buffers for this shape and the forward captured over them. The cache is bound by its
-        tensors (a later decoding's view of the same buffer has the same addresses), not by the
-        object, whose rows a decoding narrows."""
-        ids = torch.empty_like(input_ids)
-        fixed = CacheStep(torch.empty_like(step.positions), torch.empty(step.mask.shape, dtype=torch.bool, device=step.mask.device),
-                          torch.empty_like(step.slots), step.groups)
-        bound = RaggedKVCache(cache.k, cache.v, list(cache.lengths), static=True)
+    @staticmethod
+    def _fill(graph: _Graph, input_ids, cache: RaggedKVCache, offsets, mask) -> None:
+        """Copy a forward's inputs into the graph's buffers: no host wait (the lengths go through
+        pinned memory), the step's layout is computed inside the graph."""
+        graph.ids.copy_(input_ids)
+        graph.lengths.copy_(device_ints(cache.lengths, cache.k.device)[:, None], non_blocking=True)
+        if offsets is not None:
+            graph.offsets.copy_(offsets)
+        if mask is not None:
+            graph.mask.copy_(mask)
+
+    def _capture(self, input_ids, cache: RaggedKVCache, offsets, mask, layers, logits, skip) -> _Graph:
+        """Buffers for this shape and the forward captured over them, its layout
+        (:meth:`RaggedKVCache.layout`) included. The cache is bound by its tensors (a later
+        decoding's view of the same buffer has the same addresses), not by the object, whose rows
+        a decoding narrows."""
+        dev = input_ids.device
+        B, T = input_ids.shape
+        graph = _Graph(torch.empty_like(input_ids), torch.empty(B, 1, dtype=torch.long, device=dev),
+                       None if offsets is None else torch.empty_like(offsets),
+                       None if mask is None else torch.empty(mask.shape, dtype=torch.bool, device=dev), None)
+        bound = RaggedKVCache(cache.k, cache.v, list(cache.lengths), static=True)  # not the cache: its decoding ends
+        S = cache.max_len
+        groups = [(0, B, S)]
 
         def body() -> TargetOutput:
-            return self.target.forward_step(ids, bound, fixed, layers, logits, skip)
+            step = RaggedKVCache.layout(graph.lengths, T, graph.offsets, graph.mask, S, groups)
+            return self.target.forward_step(graph.ids, bound, step, layers, logits, skip)
 
+        self._fill(graph, input_ids, cache, offsets, mask)
         if self.mode == "replay":
-            return _Graph(ids, fixed, body)
-        ids.copy_(input_ids)
-        for name in ("positions", "mask", "slots"):
-            getattr(fixed, name).copy_(getattr(step, name))
+            graph.replay = body
+            return graph
         # warm-up on a side stream (lazy library set-up happens outside the capture), twice as
         # vLLM's runner does: the same K/V into the same slots the replay then writes again
         side = torch.cuda.Stream()
@@ -145,15 +179,16 @@ class GraphedTarget:
             for _ in range(2):
                 body()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph, pool=self._pool):
             out = body()
 
         def replay() -> TargetOutput:
-            graph.replay()
+            cuda_graph.replay()
             return out  # the graph's own output tensors: forward copies them before the next replay
 
-        return _Graph(ids, fixed, replay)
+        graph.replay = replay
+        return graph
 
     def report(self) -> dict:
         """What ran how, for a decoding report: forwards replayed, shapes captured, forwards run

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.inference.proposer import FREE_DRAFTERS, Proposer
 from draftlab.inference.shapes import Chain, ChainDraft
@@ -72,7 +73,7 @@ class OracleProposer(Proposer):
 
     def propose(self, shape: Chain) -> ChainDraft:
         draft = self._future[self._n : self._n + shape.k] if self._on_track else []
-        return ChainDraft(torch.tensor(draft, dtype=torch.long, device=self.target.device))
+        return ChainDraft(device_ints(draft, self.target.device))
 
     def _emit(self, tokens: list[int]) -> None:
         # a row whose tokens left the continuation (a near-tie decided otherwise in a batch) drafts nothing

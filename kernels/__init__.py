@@ -67,6 +67,7 @@ import warnings
 
 import torch
 
+from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.kernels import reference
 
@@ -289,7 +290,7 @@ def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: st
     """Verify a batch of chains in one ragged call: ``drafts`` a list of Long[K_b] (K_b may be
     0), ``target_logits`` [B, T, V] with T > max K_b (row b's first K_b + 1 rows = the target
     after each input of ``[last token, drafts...]``; the rest is padding), ``sampling`` the
-    generation's :class:`~draftlab.inference.proposer.Sampling`, ``draft_probs`` None or a list of
+    generation's :class:`~draftlab.inference.sampling.Sampling`, ``draft_probs`` None or a list of
     Float[K_b, V] | None (None rows are point masses; read only when sampling).
     Returns (per row: emitted tokens = accepted drafts then the correction or bonus token;
     per row: number of drafts accepted)."""
@@ -297,11 +298,13 @@ def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: st
     dev = target_logits.device
     ks = [int(d.numel()) for d in drafts]
     flat = torch.cat([d.reshape(-1).long() for d in drafts]) if B else torch.zeros(0, dtype=torch.long, device=dev)
-    cu = torch.tensor([0] + list(itertools.accumulate(ks)), dtype=torch.long, device=dev)
-    rows = torch.cat([torch.arange(k + 1, device=dev) + b * T for b, k in enumerate(ks)])
+    # the layout is built here, valid by construction: host lists through pinned memory, no wait
+    cu = device_ints([0, *itertools.accumulate(ks)], dev)
+    rows = device_ints([b * T + j for b, k in enumerate(ks) for j in range(k + 1)], dev)
     logits = target_logits.reshape(B * T, V)[rows]  # [N + B, V]
     if sampling.greedy:
-        out, num = chain_verify_greedy(flat, cu, logits.max(-1).indices, backend=backend)
+        kmax = max(ks, default=0)
+        out, num = _backend(backend, dev).chain_verify_greedy(flat, cu, logits.max(-1).indices, kmax)
     else:
         gen = sampling.generator
         uniforms = torch.rand(flat.numel(), dtype=torch.float64, device=dev, generator=gen)
@@ -312,8 +315,9 @@ def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: st
             q = torch.cat([p.float() if p is not None else torch.nn.functional.one_hot(d.reshape(-1).long(), V).float()
                            for d, p in zip(drafts, draft_probs)])
         out, num = chain_verify_sampling(flat, cu, sampling.probs(logits), q, uniforms, noise, backend=backend)
-    num, out = num.tolist(), out.tolist()
-    return [row[: n + 1] for row, n in zip(out, num)], num
+    read = torch.cat([num[:, None], out], 1).tolist()  # the step's one read of the device
+    return [row[1 : row[0] + 2] for row in read], [row[0] for row in read]
+
 
 
 def accept_trees(tokens, parents, target_logits, sampling, backend: str = "auto"):

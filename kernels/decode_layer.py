@@ -117,27 +117,28 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
 
 # ----------------------------------------------------------------------------- attention
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slots_ptr, o_ptr,
-                      T, NKV, span, stride_kb, stride_kh, stride_ks, stride_mb, stride_mt, scale,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slots_ptr, o_ptr, part_ptr, lse_ptr,
+                      T, NKV, span, chunk, stride_kb, stride_kh, stride_ks, stride_mb, stride_mt, scale,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      SPLIT: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // NKV).to(tl.int64)
     kh = pid % NKV
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # query row r: input r // G, head kh * G + r % G
+    split = tl.program_id(2)
     t = r // G
     head = kh * G + r % G
     live = t < T
     d = tl.arange(0, D)
-    q_rows = ((b * T + t) * (NKV * G) + head) * D
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
-    # this row of the batch attends no further than its last input's slot
-    end = tl.load(slots_ptr + b * T + T - 1) + 1
+    q_rows = (b * T + t) * (NKV * G) + head  # the (row, input, head) index of each query row
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    # this row of the batch attends no further than its last input's slot; this program, to its chunk
+    end = tl.minimum(tl.load(slots_ptr + b * T + T - 1) + 1, (split + 1) * chunk)
     kv = b * stride_kb + kh * stride_kh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(split * chunk, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < end
         k = tl.load(k_ptr + kv + n[:, None] * stride_ks + d[None, :], mask=inside[:, None], other=0.0)
@@ -160,26 +161,63 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slots_ptr, o_ptr,
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + q_rows[:, None] + d[None, :], out.to(q.dtype), mask=live[:, None])
+    if SPLIT:  # this chunk's softmax-weighted values and log-sum-exp, merged by _combine_kernel
+        rows = split * (tl.num_programs(0) // NKV) * T * NKV * G + q_rows
+        tl.store(part_ptr + rows[:, None] * D + d[None, :], out, mask=live[:, None])
+        tl.store(lse_ptr + rows, tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf")), mask=live)
+    else:
+        tl.store(o_ptr + q_rows[:, None] * D + d[None, :], out.to(q.dtype), mask=live[:, None])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, o_ptr, rows, SPLITS: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # a (batch row, input, head)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + s * rows + row)
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
+    part = tl.load(part_ptr + (s[:, None] * rows + row) * D + d[None, :])
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty))
+
+
+# slots one attention program reads at most: longer spans split over programs (flash-decoding),
+# so that one long row does not serialise a step
+SPLIT_SLOTS = 256
+MAX_SPLITS = 16
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
               scale: float) -> torch.Tensor:
     """Attention of q [B, T, NH, D] over ``k_cache``/``v_cache`` [B, NKV, S, D]: input t of row b
     sees slot n iff ``n <= slots[b, T-1]`` and ``mask[b, t, n]`` (bool [B, T, span], span <= S);
-    returns [B, T, NH, D]. A row that sees no slot gets zeros."""
+    returns [B, T, NH, D]. A row that sees no slot gets zeros. Spans past SPLIT_SLOTS run as
+    chunks in parallel whose partial results one more kernel merges."""
     B, T, NH, D = q.shape
     NKV = k_cache.shape[1]
     G = NH // NKV
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and mask.stride(-1) == 1
     out = torch.empty_like(q)
+    if not B * T:
+        return out
     M = T * G
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    if B * T:
-        _attention_kernel[(B * NKV, triton.cdiv(M, block_m))](
-            q.contiguous(), k_cache, v_cache, mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
-            slots.contiguous(), out, T, NKV, mask.shape[-1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            mask.stride(0), mask.stride(1), scale, G=G, D=D, BLOCK_M=block_m, BLOCK_N=64, IEEE=q.dtype == torch.float32)
+    block_m, block_n = (16 if M <= 16 else 32 if M <= 32 else 64), 64
+    span = mask.shape[-1]
+    splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(span, SPLIT_SLOTS)))
+    chunk = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
+    part = lse = out
+    if splits > 1:
+        part = torch.empty(splits, B * T * NH, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, B * T * NH, dtype=torch.float32, device=q.device)
+    _attention_kernel[(B * NKV, triton.cdiv(M, block_m), splits)](
+        q.contiguous(), k_cache, v_cache, mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
+        slots.contiguous(), out, part, lse, T, NKV, span, chunk, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        mask.stride(0), mask.stride(1), scale, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32)
+    if splits > 1:
+        _combine_kernel[(B * T * NH,)](part, lse, out, B * T * NH, SPLITS=splits, D=D)
     return out
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.kernels.cpu_gemm import ON_MKL, PACKED_MAX_ROWS, PackedLinear, RowPlan, measure_row_plan, packing_available
 from draftlab.models.layers import rope
@@ -234,27 +235,41 @@ class RaggedKVCache:
         causal), or, given over max(lengths) + T slots, also which of each row's past slots they
         see (a draft tree grown level by level in the cache hides the other branches); slots
         beyond a row's past and new inputs stay hidden."""
-        dev = self.k.device
-        lengths = torch.tensor(self.lengths, dtype=torch.long, device=dev)[:, None]  # [B, 1]
-        steps = torch.arange(T, device=dev)
+        need = self.check(T, new_mask)
+        S = self.max_len if self.static else need
+        groups = [(0, self.batch_size, S)] if self.static else attention_groups([n + T for n in self.lengths])
+        if new_mask is not None and new_mask.shape[-1] != T:
+            new_mask = F.pad(new_mask, (0, S - need))
+        return self.layout(device_ints(self.lengths, self.k.device)[:, None], T, offsets, new_mask, S, groups)
+
+    def check(self, T: int, new_mask: torch.Tensor | None) -> int:
+        """Slots a forward of T inputs per row needs (max(lengths) + T), checked against the room
+        and ``new_mask``'s width (host values only)."""
         need = max(self.lengths) + T
         if need > self.max_len:
             raise ValueError(f"KV cache: {need} slots needed, {self.max_len} allocated")
-        S = self.max_len if self.static else need
-        groups = [(0, self.batch_size, S)] if self.static else attention_groups([n + T for n in self.lengths])
+        if new_mask is not None and new_mask.shape[-1] not in (T, need):
+            raise ValueError(f"KV cache: attention mask over {new_mask.shape[-1]} slots, expected {T} or {need}")
+        return need
+
+    @staticmethod
+    def layout(lengths: torch.Tensor, T: int, offsets: torch.Tensor | None, new_mask: torch.Tensor | None, S: int,
+               groups) -> CacheStep:
+        """:meth:`begin`'s layout from the rows' lengths as a device tensor [B, 1], with no host
+        read (a captured graph computes it from its buffers); ``new_mask`` [B or 1, T, T], or
+        [B or 1, T, S] over past and new slots (padded to S)."""
+        dev = lengths.device
+        steps = torch.arange(T, device=dev)
         positions = lengths + (steps[None] if offsets is None else offsets)
         span = torch.arange(S, device=dev)[None]  # [1, S]
         rel = span - lengths  # [B, S]: slot index among the row's new inputs
         inside = (rel >= 0) & (rel < T)
         if new_mask is not None and new_mask.shape[-1] != T:
-            if new_mask.shape[-1] != need:
-                raise ValueError(f"KV cache: attention mask over {new_mask.shape[-1]} slots, expected {T} or {need}")
-            new_mask = F.pad(new_mask, (0, S - need))
             mask = new_mask & ((span < lengths) | inside)[:, None]
         else:
             if new_mask is None:
                 new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]
-            new = new_mask.expand(len(self.lengths), T, T).gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1))
+            new = new_mask.expand(lengths.shape[0], T, T).gather(2, rel.clamp(0, T - 1)[:, None].expand(-1, T, -1))
             mask = (span < lengths)[:, None] | (inside[:, None] & new)
         return CacheStep(positions, mask, lengths + steps, groups)
 
@@ -563,7 +578,7 @@ class Target:
 
         Why not just the modules: a decode step is bound by streaming the weights, and on CPU in
         fp32 the faster GEMM for a few rows depends on the row count and the CPU (see
-        :mod:`draftlab.models.cpu_gemm`): small row counts run as this machine's measured plan
+        :mod:`draftlab.kernels.cpu_gemm`): small row counts run as this machine's measured plan
         says (oneDNN-packed copies of the fused weights or MKL, padded to a faster row count),
         larger ones on MKL. Under torch.compile every product is a plain linear: inductor cannot
         lower oneDNN's packed-weight op with symbolic shapes, and timing belongs outside a graph."""

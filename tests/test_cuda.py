@@ -14,7 +14,8 @@ import torch
 from draftlab.inference.decoder import Decoder, generate_plain, generate_plain_batch
 from draftlab.inference.graphs import GraphedTarget
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import Block, Chain, DynamicTree, load_proposer
+from draftlab.inference.proposer import load_proposer
+from draftlab.inference.shapes import Block, Chain, DynamicTree
 from draftlab.kernels import triton_verify
 from draftlab.models.drafter import DRAFTERS
 from draftlab.models.target import Target

@@ -16,7 +16,8 @@ from draftlab.inference.graphs import GraphedTarget
 from draftlab.inference.layerskip import LayerSkipProposer
 from draftlab.inference.lookahead import LookaheadProposer
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import Chain, DynamicTree
+from draftlab.inference.proposer import OwnModel
+from draftlab.inference.shapes import Chain, DynamicTree
 from draftlab.inference.report import graphs_line
 from draftlab.models.layerskip import LayerSkip
 from tiny import assert_one_line
@@ -84,7 +85,8 @@ def test_decoding_through_graphs_gives_the_targets_tokens(tiny_llama, prompts, c
     graphed = GraphedTarget(tiny_llama, mode="replay")
     eager = Decoder(tiny_llama, build(tiny_llama)).generate(prompts, N_NEW, shape)
     proposer, drafter = build(tiny_llama), []
-    proposer.use_graphs(lambda model: drafter.append(GraphedTarget(model, mode="replay")) or drafter[-1])
+    if isinstance(proposer, OwnModel):
+        proposer.use_graphs(lambda model: drafter.append(GraphedTarget(model, mode="replay")) or drafter[-1])
     res = Decoder(graphed, proposer).generate(prompts, N_NEW, shape)
     assert [r.tokens for r in res.rows] == [r.tokens for r in eager.rows]
     assert [r.accept_lengths for r in res.rows] == [r.accept_lengths for r in eager.rows]
@@ -108,6 +110,8 @@ def test_graphs_are_reused_and_finished_rows_leave(tiny_llama, prompts, alone):
     res = Decoder(graphed, NgramProposer(3, 1)).generate(four, N_NEW, Chain(3), eos_token_id=eos)
     assert [r.tokens for r in res.rows] == [alone[0], alone[1][:6], alone[2], alone[1][:6]]
     assert graphed.stats["buffers"] == 2  # four rows: a larger buffer, graphs captured again
+    live = {buf.k.data_ptr() for buf, _ in graphed._buffers}
+    assert all(key[0] in live for key in graphed._graphs), "a graph of a dropped buffer is kept"
 
 
 def test_shapes_past_the_limits_run_eagerly_and_are_counted(tiny_llama, prompts):
@@ -201,3 +205,21 @@ def test_eval_cuda_graphs_on_cpu_is_a_one_line_error_before_training(tiny_target
     err = capsys.readouterr().err.strip().splitlines()
     assert "eval.cuda_graphs: CUDA graphs need the target on a CUDA device" in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("B", [1, 16])
+def test_a_plain_step_reads_the_device_once(tiny_llama, prompts, B):
+    """Plain decoding reads one value set back per step (its tokens), whatever the batch size:
+    counted as the host reads of device tensors (``item``, ``tolist``, ``cpu``, truth tests ...)
+    over two decodings whose lengths differ by 8 steps, the prefill's reads cancelling."""
+    from bench.gpu_decode import count_host_reads
+
+    rows = [prompts[i % len(prompts)] for i in range(B)]
+    graphed = GraphedTarget(tiny_llama, mode="replay")
+    reads = []
+    for n in (4, 12):
+        generate_plain_batch(graphed, rows, n)  # graphs captured outside the count
+        with count_host_reads(tiny_llama.device) as counts:
+            generate_plain_batch(graphed, rows, n)
+        reads.append(sum(counts.values()))
+    assert (reads[1] - reads[0]) / 8 <= 1

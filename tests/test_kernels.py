@@ -480,7 +480,7 @@ def test_tree_lossless_check_catches_biased_correction(monkeypatch):
 # the decoder's accept rule: greedy or sampling, coins and noise drawn from the generation's generator
 
 def _sampling(temperature: float, seed: int = 0):
-    from draftlab.inference.proposer import Sampling
+    from draftlab.inference.sampling import Sampling
 
     return Sampling(temperature, top_k=4, generator=torch.Generator().manual_seed(seed))
 
@@ -692,8 +692,10 @@ def interp_rope_kv_write_matches_reference():
         assert k_cache[~written[:, None].expand(B, NKV, S)].isnan().all(), "a slot outside slots was written"
 
 
-def interp_attention_matches_sdpa():
+@pytest.mark.parametrize("split_slots", [256, 32])  # one program per row and head, or chunks merged
+def interp_attention_matches_sdpa(monkeypatch, split_slots):
     K = _decode_layer_kernels()
+    monkeypatch.setattr(K, "SPLIT_SLOTS", split_slots)
     dev = "cuda" if _CUDA else "cpu"
     gen = torch.Generator().manual_seed(2)
     NH, NKV, D, S = 6, 2, 16, 160
@@ -728,7 +730,7 @@ def interp_fused_target_decodes_as_the_reference_layer(tmp_path):
 
     from draftlab.inference.decoder import Decoder
     from draftlab.inference.ngram import NgramProposer
-    from draftlab.inference.proposer import Chain
+    from draftlab.inference.shapes import Chain
     from draftlab.models.target import Target
 
     _decode_layer_kernels()
