@@ -20,7 +20,7 @@ from draftlab.inference.shapes import (
     CHOICES_EXAMPLE, Block, Chain, DynamicTree, OptionError, Shape, StaticTree, check_decoding,
 )
 
-# the options check_spec names, as fields (``no_baseline``: the baseline turned off)
+# the options check_spec names, as fields; ``names`` also words ``no_baseline`` (the baseline off)
 OPTIONS = ("method", "k", "min_confidence", "tree.depth", "tree.top_k", "tree.total_tokens", "static_tree", "max_new_tokens",
            "temperature", "top_k", "top_p", "batch_sizes", "adaptive", "cuda_graphs", "seed")
 
