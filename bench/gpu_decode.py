@@ -95,7 +95,8 @@ def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None) ->
             forward["forward_ms"] = sum(a.elapsed_time(b) for a, b in model.replay_marks) / len(model.replay_marks)
             model.replay_marks = None
         out.append({"batch": B, "ms_per_step": 1e3 * decode_s / res.num_steps,
-                    "tokens_per_s": res.num_tokens / decode_s, "steps": res.num_steps, **forward})
+                    "tokens_per_s": res.num_tokens / decode_s, "steps": res.num_steps, **forward,
+                    **({"graphs_report": model.report()} if graphs else {})})
     return out
 
 
@@ -174,9 +175,7 @@ def drafter_runs(target, prompts, specs, max_new_tokens: int, graphs: bool) -> l
     out = []
     for label, kind, arg, k in specs:
         if kind == "oracle":
-            proposer = OracleProposer(target, max_new_tokens)
-            proposer.prepare([p.prompt_ids for p in prompts], eos)
-            shape = Chain(k)
+            proposer, shape = OracleProposer(target), Chain(k)  # the harness prepares it
         elif kind == "lookahead":
             proposer, shape = LookaheadProposer(W=5, N=4, G=5), DynamicTree(3, 5, 16)
         else:
@@ -188,6 +187,8 @@ def drafter_runs(target, prompts, specs, max_new_tokens: int, graphs: bool) -> l
         out.append({"drafter": label, "shape": rep.get("method"), "k": k, "tau": rep["tau"], "speedup": rep["speedup"],
                     "tokens_per_s": rep["tokens_per_s"], "baseline_tokens_per_s": rep["baseline_tokens_per_s"],
                     "greedy_match": rep["greedy_match"], "seconds": time.perf_counter() - t0,
+                    **{key: rep[key] for key in ("draft_time_s", "verify_time_s", "prefill_time_s", "total_time_s",
+                                                 "baseline_time_s", "new_tokens")},
                     **({"cuda_graphs": rep["cuda_graphs"]} if "cuda_graphs" in rep else {})})
         print(f"  {label}: tau {rep['tau']:.2f}, speedup {rep['speedup']:.2f}x", flush=True)
     return out
@@ -305,12 +306,13 @@ def main(argv=None) -> int:
         report["drafters"] = drafter_runs(target, prompts, specs + args.drafter, args.max_new_tokens, cuda)
 
     def profiles():
+        from draftlab.inference.graphs import GraphedTarget
         from draftlab.inference.oracle import OracleProposer
         from draftlab.inference.shapes import Chain
 
         target.fused_decode = default_engine == "fused"
-        oracle = OracleProposer(target, 64)
-        oracle.prepare([prompts[0].prompt_ids], target.tokenizer.eos_token_id)
+        oracle = OracleProposer(target)
+        oracle.prepare(GraphedTarget(target), [prompts[0].prompt_ids], 64, target.tokenizer.eos_token_id)
         for label, ps in (("plain", None), ("oracle k=3", (oracle, Chain(3)))):
             print(f"\nhost time by op, {label}, batch 1, 32 graphed steps:\n{profile_steps(target, prompts, ps)}")
 

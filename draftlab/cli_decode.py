@@ -80,7 +80,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"], help="verify kernels")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram to match")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram to match")

@@ -27,7 +27,7 @@ from draftlab.inference.decoder import Decoder, run_lockstep
 from draftlab.inference.draft_length import DraftLength, step_cost
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache
-from draftlab.inference.proposer import Proposer, verifying_target
+from draftlab.inference.proposer import PreparesPrompts, Proposer, verifying_target
 from draftlab.inference.shapes import Block, Chain, check_decoding
 
 
@@ -104,6 +104,8 @@ def evaluate_batches(target, proposer, prompts, shape, batch_sizes, max_new_toke
 
     speculations = {"": Speculation(proposer, shape, adaptive)}
     target, graphs = graphed(verifying_target(proposer, target), proposer, cuda_graphs)
+    if isinstance(proposer, PreparesPrompts):
+        proposer.prepare(target, [p.prompt_ids for p in prompts], max_new_tokens, eos_token_id)
     section = compare_batches(target, speculations, prompts, batch_sizes, max_new_tokens, temperature,
                               top_k, top_p, seed, eos_token_id, backend, progress, min_groups)[""]
     return {**section, "cuda_graphs": graphs()} if graphs else section

@@ -21,7 +21,7 @@ from draftlab.inference.decoder import Decoder, single, run_lockstep
 from draftlab.inference.decoding_spec import DecodingSpec
 from draftlab.inference.metrics import AcceptanceStats, tau_prompt_mean
 from draftlab.inference.prompts import EvalPrompt
-from draftlab.inference.proposer import ChangesVerifier, OwnModel, Proposer, verifying_target
+from draftlab.inference.proposer import ChangesVerifier, OwnModel, PreparesPrompts, Proposer, verifying_target
 from draftlab.inference.shapes import Chain, Shape, shape_fields
 
 
@@ -105,6 +105,8 @@ def evaluate(
     if isinstance(proposer, ChangesVerifier):
         verifier_note = proposer.verifier_report(target, prompts, max_new_tokens, eos_token_id)
     target, graphs = graphed(verifying_target(proposer, target), proposer, cuda_graphs)
+    if isinstance(proposer, PreparesPrompts):
+        proposer.prepare(target, [p.prompt_ids for p in prompts], max_new_tokens, eos_token_id)
     decoder, plain = Decoder(target, proposer, backend=backend), Decoder(target)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     if warmup:

@@ -4,8 +4,8 @@ every draft (τ = k + 1) and its speedup is the most the decoding engine gives a
 A drafter that is always right separates the engine's ceiling from a drafter's acceptance (the
 "ideal acceptance" runs of SpecDecodeBench): a report whose oracle row is slow measures the
 engine, not the drafter. The continuation of each prompt is decoded plainly once, by
-:meth:`OracleProposer.prepare` before timed decoding (or, for a prompt it was not prepared for,
-at its ``start``, which then counts as that decoding's prefill time).
+:meth:`OracleProposer.prepare`, which the harness calls before timing (a prompt met unprepared is
+decoded at its ``start``, which then counts as that decoding's prefill).
 """
 
 from __future__ import annotations
@@ -14,23 +14,23 @@ import torch
 
 from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import FREE_DRAFTERS, Proposer
+from draftlab.inference.proposer import FREE_DRAFTERS, PreparesPrompts, Proposer
 from draftlab.inference.shapes import Chain, ChainDraft
 
 
 @FREE_DRAFTERS.register("oracle")
-class OracleProposer(Proposer):
-    """Options: ``max_new_tokens`` (the longest continuation decoded per prompt)."""
+class OracleProposer(Proposer, PreparesPrompts):
+    """Options: ``max_new_tokens`` (the continuation decoded for a prompt met unprepared)."""
 
     name = "oracle"
     layers = ()
     shapes = frozenset({"chain"})
     OPTIONS = {"max_new_tokens": int}
 
-    def __init__(self, target, max_new_tokens: int = 1024, eos_token_id=None):
+    def __init__(self, target, max_new_tokens: int = 256):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise DraftlabError(f"oracle drafter: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        self.target, self.max_new_tokens, self.eos_token_id = target, max_new_tokens, eos_token_id
+        self.target, self.max_new_tokens = target, max_new_tokens
         self._continuations: dict[tuple[int, ...], list[int]] = {}  # shared by forks: prompt -> greedy tokens
         self._future: list[int] = []
         self._n = 0  # tokens emitted so far
@@ -49,20 +49,20 @@ class OracleProposer(Proposer):
                 raise DraftlabError(f"oracle drafter: {key} must be an integer, got {value!r}") from None
         return lambda target: cls(target, **kw)
 
-    def prepare(self, prompts, eos_token_id=None) -> None:
-        """Decode each prompt's greedy continuation (token lists or tensors), untimed."""
+    def prepare(self, target, prompts, max_new_tokens: int, eos_token_id=None) -> None:
+        """Decode each prompt's greedy continuation with ``target``: the engine that then verifies
+        the drafts (the same rounding decides the same near-ties), before any timing."""
         from draftlab.inference.decoder import Decoder
 
-        self.eos_token_id = eos_token_id
-        todo = [p for p in map(_key, prompts) if p not in self._continuations]
-        for p in todo:
-            res = Decoder(self.target).generate([list(p)], self.max_new_tokens, None, eos_token_id=eos_token_id)
-            self._continuations[p] = res.rows[0].tokens
+        for p in map(_key, prompts):
+            if len(self._continuations.get(p, ())) < max_new_tokens:
+                res = Decoder(target).generate([list(p)], max_new_tokens, None, eos_token_id=eos_token_id)
+                self._continuations[p] = res.rows[0].tokens
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict, next_token: int) -> None:
         key = _key(prompt_ids)
         if key not in self._continuations:
-            self.prepare([key], self.eos_token_id)
+            self.prepare(self.target, [key], self.max_new_tokens)
         self._future = self._continuations[key]
         self._n = 0
         self._on_track = True

@@ -168,6 +168,15 @@ class DraftsWithTarget:
         self.steps = steps
 
 
+class PreparesPrompts(ABC):
+    """A proposer that reads every prompt before decoding starts (the oracle decodes each one's
+    continuation): the harness calls :meth:`prepare` before it times anything."""
+
+    @abstractmethod
+    def prepare(self, target, prompts, max_new_tokens: int, eos_token_id=None) -> None:
+        """Read ``prompts`` (token lists) with ``target``, the verifier that will decode them."""
+
+
 class Branching:
     """A proposer whose drafts carry a :class:`~draftlab.inference.shapes.Branch` (Jacobi lookahead): ``branch_inputs`` is the
     most inputs one holds, the room the decoder reserves for them in the target's cache."""

@@ -14,7 +14,7 @@ import torch
 from draftlab.inference.decoder import Decoder, generate_plain, generate_plain_batch
 from draftlab.inference.graphs import GraphedTarget
 from draftlab.inference.ngram import NgramProposer
-from draftlab.inference.proposer import load_proposer
+from draftlab.inference.proposer import OwnModel, load_proposer
 from draftlab.inference.shapes import Block, Chain, DynamicTree
 from draftlab.kernels import triton_verify
 from draftlab.models.drafter import DRAFTERS
@@ -100,7 +100,8 @@ def test_cuda_graph_decoding_equals_eager(tiny_llama, cuda_llama, prompts, algor
 
     def graphed_proposer(path):
         proposer = _proposer(algorithm, tiny_llama, cuda_llama, path)
-        proposer.use_graphs(lambda model: drafter.append(GraphedTarget(model)) or drafter[-1])
+        if isinstance(proposer, OwnModel):  # a draft LM: its own forwards are graphed too
+            proposer.use_graphs(lambda model: drafter.append(GraphedTarget(model)) or drafter[-1])
         return proposer
 
     if algorithm is None:
