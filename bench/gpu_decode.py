@@ -78,7 +78,9 @@ def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None) ->
     from draftlab.inference.decoder import Decoder
     from draftlab.inference.graphs import GraphedTarget
 
-    model = GraphedTarget(target, mode=graphs) if graphs else target
+    # buffers as large as the longest decoding from the start: no capture inside a timed decoding
+    room = max(len(p.prompt_ids) for p in prompts[: max(batch_sizes)]) + steps + 1
+    model = GraphedTarget(target, mode=graphs, min_len=room) if graphs else target
     out = []
     for B in batch_sizes:
         rows = _rows(prompts, B)

@@ -103,6 +103,10 @@ class Decoder:
         """:meth:`generate` as a generator that yields after each step and returns the
         :class:`BatchResult` (:func:`run_lockstep` steps several decodings in turn)."""
         shape = self._check(shape, draft_length, max_new_tokens, temperature, top_k, top_p)
+        if self.target.device.type == "cuda":
+            # (process-wide) cuDNN's attention builds an execution plan for each new shape, and decoding
+            # makes new ones every step (a drafter's growing KV cache, each prompt's prefill)
+            torch.backends.cuda.enable_cudnn_sdp(False)
         run = _Run(self, prompt_ids, max_new_tokens, shape, temperature, top_k, top_p, seed, eos_token_id,
                    on_step, prompt_cache)
         batch, cache, proposers = run.batch, run.cache, run.proposers
@@ -173,7 +177,7 @@ class Decoder:
         ids = device_ints(last, device)[:, None]
         past = list(cache.lengths)
         out = verify(self.target, ids, layers=self.layers, cache=cache, logits="last")
-        tokens = verify(next_tokens, out.logits[device_ints(batch.slots, device), -1], sampling)
+        tokens = verify(next_tokens, _in_row_order(out.logits[:, -1], batch.slots), sampling)
         batch.keep(cache, past, [1] * len(batch.rows))
         zeros = [0] * len(tokens)
         return _Verified([[t] for t in tokens], zeros, zeros, zeros, out.hidden, list(batch.slots), [_FIRST] * len(tokens))
@@ -199,7 +203,7 @@ class Decoder:
         past = list(cache.lengths)
         out = verify(self.target, inputs, layers=self.layers, cache=cache, position_ids=positions, attn_mask=mask, logits="all")
         handoff = _branch_handoff(batch, branches, out.logits, N)
-        tokens, accepted = verify(accept_chains, ids, out.logits[batch.slots, :N], sampling, probs, self.backend)
+        tokens, accepted = verify(accept_chains, ids, _in_row_order(out.logits[:, :N], batch.slots), sampling, probs, self.backend)
         batch.keep(cache, past, [n + 1 for n in accepted])
         drafted = [t.numel() for t in ids]
         return _Verified(tokens, accepted, drafted, drafted, out.hidden, list(batch.slots), [slice(0, n + 1) for n in accepted],
@@ -261,6 +265,12 @@ class Decoder:
             grown[s, N : N + e, 0] = True
             grown[s, N : N + e, N : N + e] = b.mask.cpu()
         return inputs, positions, grown
+
+
+def _in_row_order(t: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """``t``'s cache rows in the order of the rows still decoding (``slots``: each one's cache
+    row); the index goes to the device through pinned memory (a list index would wait)."""
+    return t if slots == list(range(t.shape[0])) else t[device_ints(slots, t.device)]
 
 
 def _branch_handoff(batch: _Batch, branches, logits: torch.Tensor, N: int):

@@ -19,7 +19,7 @@ from draftlab import atomic
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
 from draftlab.export.exporter import export_checkpoint
-from test_bad_inputs import checkpoint  # noqa: F401  (a fixture: a tiny EAGLE-3 checkpoint)
+from test_checkpoint_io import checkpoint  # noqa: F401  (a fixture: a tiny EAGLE-3 checkpoint)
 from test_train import chat_file, run_train, write_recipe  # noqa: F401  (chat_file: a fixture)
 
 STEP = "step-0000002"

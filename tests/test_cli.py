@@ -1,4 +1,5 @@
-"""Defects a user meets at the command line: each test failed before its fix.
+"""The command line as a user meets it (`draftlab eval`, `train`, `capture`): held-out prompt counts,
+recipe overrides, target specs and their identity, compiled capture; each test failed before its fix.
 
 Tiny random targets only (tests/tiny.py); the embedded GGUF is used by path, never loaded.
 """
