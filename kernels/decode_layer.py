@@ -13,13 +13,14 @@ ops, SDPA's math path over a boolean mask among them. Here a layer is
   forward) and the write of k and v into each row's cache slots.
 - :func:`attention`: each query row of each sequence attends over its own cache slots
   ``0..slots[b, -1]`` under the step's boolean mask (past, causal or a draft tree), grouped-query
-  heads sharing one K/V load; online softmax in float32 (FlashAttention's recurrence).
+  heads sharing one K/V load; online softmax in float32 (FlashAttention's recurrence); a long
+  span is split over programs and merged by one more kernel (flash-decoding).
 - :func:`silu_mul`: SiLU of the gate times the up projection.
 
 Every kernel reads its bounds from device tensors, so a forward is captured once per shape and
 replayed (:mod:`draftlab.inference.graphs`). Numerics follow HF's Llama in the model's dtype: sums
 and norms in float32, each op's result rounded to the dtype where HF rounds it. On CPU the kernels
-run only in Triton's interpreter (tests); :func:`available` says whether a device can use them.
+run only in Triton's interpreter (the tests).
 """
 
 from __future__ import annotations
@@ -27,12 +28,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def available(device: torch.device) -> bool:
-    """Whether these kernels run for tensors on ``device``: CUDA, or any device under Triton's
-    interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return device.type == "cuda" or INTERPRETED
 
 
 # ----------------------------------------------------------------------------- add + RMSNorm
