@@ -41,6 +41,7 @@ import zlib
 
 import torch
 
+from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.inference.proposer import FREE_DRAFTERS, Branching, Proposer
 from draftlab.inference.shapes import Branch, Chain, ChainDraft, DraftTree, DynamicTree
@@ -191,7 +192,7 @@ class LookaheadProposer(Proposer, Branching):
 
     def propose(self, shape: Chain | DynamicTree) -> ChainDraft | DraftTree:
         grams = self.pool.get(self.last)
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self._device)  # noqa: E731
+        as_long = lambda x: device_ints(list(x), self._device)  # noqa: E731
         if isinstance(shape, Chain):
             draft = ChainDraft(as_long(list(grams[0][: shape.k]) if grams else []))
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from draftlab.device import device_ints
 from draftlab.inference.proposer import PROPOSERS, Proposer
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree
 
@@ -49,7 +50,7 @@ class NgramProposer(Proposer):
         ctx = self.context
         for start, n in self._matches(limit=1):
             cont = ctx[start + n : start + n + k]
-            return ChainDraft(torch.as_tensor(cont.copy(), dtype=torch.long, device=self._device))
+            return ChainDraft(device_ints(cont.tolist(), self._device))
         return ChainDraft(torch.zeros(0, dtype=torch.long, device=self._device))
 
     def _tree(self, spec: DynamicTree) -> DraftTree:
@@ -76,7 +77,7 @@ class NgramProposer(Proposer):
                 node = nxt
             if len(tokens) >= spec.total_tokens:
                 break
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self._device)  # noqa: E731
+        as_long = lambda x: device_ints(x, self._device)  # noqa: E731
         return DraftTree(as_long(tokens), as_long(parents), as_long(depth[1:]))
 
     # ---------------------------------------------------------------- internals

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.inference.proposer import FREE_DRAFTERS, Proposer
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree
@@ -357,7 +358,7 @@ class SuffixProposer(Proposer):
             nodes.append(self.corpus.match(self._tail, longest))
         drafts = [_chain(n, shape.k, self.min_prob) if chain else _tree(n, shape, self.min_prob) for n in nodes if n]
         best = max(drafts, key=lambda d: d[0], default=(0.0, [], [], []))  # ties: the local trie
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self._device)  # noqa: E731
+        as_long = lambda x: device_ints(list(x), self._device)  # noqa: E731
         return ChainDraft(as_long(best[1])) if chain else DraftTree(*map(as_long, best[1:4]))
 
     def _append(self, ids: list[int]) -> None:
