@@ -27,19 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from draftlab.errors import DraftlabError
+from bench.runs import main_with_errors
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU"
 
 
 @contextlib.contextmanager
@@ -226,16 +221,6 @@ def _drafter_spec(value: str):
     return name, "checkpoint", path, int(k or 1)
 
 
-def _ints(value: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
-    return sizes
-
-
 def table(rows: list[dict], keys: list[str]) -> str:
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -243,14 +228,14 @@ def table(rows: list[dict], keys: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="default")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "smollm2-135m-eagle3.yaml"),
                    help="whose eval data (held-out prompts) the drafters decode")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--batch-sizes", type=_ints, default=None, help="default: 1,4,16,64 on CUDA, 1,4 on CPU")
+    p.add_argument("--batch-sizes", default=None, help="default: 1,4,16,64 on CUDA, 1,4 on CPU")
     p.add_argument("--steps", type=int, default=None, help="plain decode steps per row (default: 64 on CUDA, 16 on CPU)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -259,23 +244,28 @@ def main(argv=None) -> int:
     p.add_argument("--replay-graphs", action="store_true", help="on CPU: also run the graphed path in replay mode (a check)")
     p.add_argument("--profile", action="store_true", help="also print where host time goes (CUDA: plain and oracle k=3 steps)")
     p.add_argument("--out", default="gpu_decode.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(argv, args) -> int:
 
     from draftlab.atomic import write_json
+    from draftlab.inference.batch_eval import parse_batch_sizes
+    from draftlab.inference.evaluate import device_name
     from draftlab.inference.prompts import prompt_conversations, tokenize_prompts
     from draftlab.models.target import Target
     from draftlab.recipe import load_recipe
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    batch_sizes = args.batch_sizes or ([1, 4, 16, 64] if cuda else [1, 4])
+    batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else [1, 4, 16, 64] if cuda else [1, 4]
     steps = args.steps or (64 if cuda else 16)
     recipe = load_recipe(args.recipe)
     convs = prompt_conversations(recipe.eval.data, args.num_prompts, data_spec=recipe.data)
     t0 = time.perf_counter()
     target = Target.load(args.target, dtype=args.dtype, device=str(device))
     prompts = tokenize_prompts(convs, target.tokenizer)
-    report = {"device": _device_name(device), "torch": torch.__version__, "dtype": str(target.dtype).removeprefix("torch."),
+    report = {"device": device_name(device), "torch": torch.__version__, "dtype": str(target.dtype).removeprefix("torch."),
               "target": target.identity.get("name"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "load_s": time.perf_counter() - t0, "steps": steps, "plain": [], "drafters": []}
     engines = (["fused"] if target.fused_decode else []) + ["reference"]  # the default engine first
@@ -345,8 +335,9 @@ def main(argv=None) -> int:
     return 1 if report.get("errors") else 0
 
 
+def main(argv=None) -> int:
+    return main_with_errors("bench.gpu_decode", parse_args, run, argv)
+
+
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except DraftlabError as e:
-        raise SystemExit(f"gpu_decode: {e}") from None
+    raise SystemExit(main())

@@ -152,7 +152,7 @@ def evaluate(
         "top_k": top_k,
         "top_p": top_p,
         "seed": seed,
-        "device": _device_name(target.device),
+        "device": device_name(target.device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         **total.to_dict(baseline),
         "categories": {c: t.to_dict(baseline) for c, t in sorted(by_cat.items())},
@@ -190,7 +190,8 @@ def draft_cache_fields(proposer: Proposer, target) -> dict:
     return {"draft_kv_cache": {"bytes_per_token": draft, "target_bytes_per_token": base, "share": draft / base}}
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """The device as a report names it: the GPU's name, or the CPU's and its threads."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
