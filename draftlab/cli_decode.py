@@ -87,7 +87,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram to match")
     p.add_argument(
         "--min-confidence", type=float, default=0.0,
-        help="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this (0 = always k)",
+        help="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this (0 = always k); "
+        "block: cut the block where the product of the predicted acceptances does (drafters with a confidence head: dspark)",
     )
     p.add_argument(
         "--lookup-min-match", type=int, default=0,

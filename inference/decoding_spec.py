@@ -43,7 +43,8 @@ class DecodingSpec(BaseModel):
     )
     k: StrictInt = Field(5, description="chain and block: drafts per step")
     min_confidence: float = Field(
-        0.0, description="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this"
+        0.0, description="chain: stop drafting once the product of the drafter's top-1 probabilities falls below this; "
+        "block: cut the block where the product of its predicted acceptances does (drafters with a confidence head)"
     )
     tree: TreeSpec = TreeSpec()
     # any list: check_spec names a bad path or rank (a bool is no rank), which a typed list would not
@@ -68,7 +69,7 @@ class DecodingSpec(BaseModel):
         if self.method == "chain":
             return Chain(self.k, self.min_confidence)
         if self.method == "block":
-            return Block(self.k)
+            return Block(self.k, self.min_confidence)
         if self.method == "tree":
             return DynamicTree(**self.tree.model_dump())
         return StaticTree(self.static_tree)
@@ -106,8 +107,8 @@ def check_spec(spec: DecodingSpec, names: Mapping[str, str] | None = None, *, se
         raise named(e, names) from None
     if spec.static_tree is not None and spec.method != "static_tree":
         raise DraftlabError(f"{n('static_tree')} applies to {n('method')} static_tree")
-    if spec.min_confidence and spec.method != "chain":
-        raise DraftlabError(f"{n('min_confidence')} sets a chain's draft length: use {n('method')} chain")
+    if spec.min_confidence and spec.method not in ("chain", "block"):
+        raise DraftlabError(f"{n('min_confidence')} sets a chain's or block's draft length: use {n('method')} chain or block")
     if spec.method == "static_tree":
         if spec.static_tree is None:
             raise DraftlabError(f"{n('method')} static_tree needs {n('static_tree')} (paths of candidate ranks, e.g. '{CHOICES_EXAMPLE}')")

@@ -51,13 +51,18 @@ class DiffusionProposer(Proposer):
     @torch.no_grad()
     def block_logits(self) -> torch.Tensor:
         """Draft-vocab logits [gamma - 1, V_draft] of the block's masked slots."""
+        return self.drafter.readout(self.block_states())
+
+    @torch.no_grad()
+    def block_states(self) -> torch.Tensor:
+        """Final-normed states [gamma - 1, H] of the block's masked slots."""
         d = self.drafter
         G = d.block_size
         dev = self.kv[0][0].device
         ids = d.block_ids(torch.tensor([self.last], device=dev))  # [1, G]
         positions = torch.arange(self.length, self.length + G, device=dev)[None]
         mask = torch.ones(1, G, self.length + G, dtype=torch.bool, device=dev)  # whole context, whole block
-        return d.blocks(ids, positions, self.kv, mask)[0, 1:]
+        return d.block_states(ids, positions, self.kv, mask)[0, 1:]
 
     @classmethod
     def check(cls, shape: Block, drafter) -> None:
@@ -68,7 +73,12 @@ class DiffusionProposer(Proposer):
 
     def propose(self, shape: Block) -> ChainDraft:
         self.check(shape, self.drafter)
-        return self.draft(self.block_logits()[: shape.k])
+        return self.draft_block(self.block_states()[: shape.k], shape)
+
+    def draft_block(self, states: torch.Tensor, shape: Block) -> ChainDraft:
+        """The chain drafted from the states [k, H] of a block's first k masked slots (a family
+        with heads over the states, DSpark's, drafts differently from the same block)."""
+        return self.draft(self.drafter.readout(states))
 
     def batched(self, n: int, shape) -> RowProposers:
         """Every row's block from one drafter forward (:class:`DiffusionRows`)."""
@@ -114,5 +124,5 @@ class DiffusionRows(RowProposers):
         positions = torch.tensor(lengths, device=dev)[:, None] + torch.arange(G, device=dev)
         span = torch.arange(S + G, device=dev)
         mask = (span < torch.tensor(lengths, device=dev)[:, None]) | (span >= S)  # own context, whole block
-        logits = d.blocks(ids, positions, kv, mask[:, None].expand(-1, G, -1))[:, 1 : 1 + shape.k]
-        return [p.draft(logits[b]) for b, p in enumerate(rows)]
+        states = d.block_states(ids, positions, kv, mask[:, None].expand(-1, G, -1))[:, 1 : 1 + shape.k]
+        return [p.draft_block(states[b], shape) for b, p in enumerate(rows)]

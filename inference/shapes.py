@@ -4,7 +4,7 @@ the one check of a decoding's options against :mod:`draftlab.limits`.
 Draft shapes, chosen per generation and handed to ``propose``:
 
 - :class:`Chain` ``(k, min_confidence)``: up to k tokens, one after the other;
-- :class:`Block` ``(k)``: k positions from one drafter forward, verified exactly like a chain;
+- :class:`Block` ``(k, min_confidence)``: k positions from one drafter forward, verified exactly like a chain;
 - :class:`DynamicTree` ``(depth, top_k, total_tokens)``: the EAGLE-2 tree, grown by score;
 - :class:`StaticTree` ``(choices)``: a fixed tree given as Medusa-style paths of candidate ranks.
 
@@ -106,12 +106,17 @@ def _finite(option: str, value, label: str | None = None) -> float:
 
 @dataclass(frozen=True)
 class _Row:
-    """Up to ``k`` tokens in a row, verified as a chain."""
+    """Up to ``k`` tokens in a row, verified as a chain; ``min_confidence`` in [0, 1) (0 = off)
+    shortens it where the drafter's confidence runs out (each shape says how)."""
 
     k: int
+    min_confidence: float = 0.0
 
     def __post_init__(self):
         _bounded_int("k", self.k, 1, MAX_K, f"{self.method}: k")
+        c = _finite("min_confidence", self.min_confidence, f"{self.method}: min_confidence")
+        if not 0.0 <= c < 1.0:
+            raise OptionError("min_confidence", f"must be in [0, 1), got {c}", f"{self.method}: min_confidence must be in [0, 1), got {c}")
 
     @property
     def max_nodes(self) -> int:
@@ -126,21 +131,16 @@ class Chain(_Row):
     length): stop before the draft at which the product of the drafter's top-1 probabilities
     drops below it (0 = always k); proposers without probabilities ignore it."""
 
-    min_confidence: float = 0.0
     kind: ClassVar[str] = "chain"
     method: ClassVar[str] = "chain"
-
-    def __post_init__(self):
-        super().__post_init__()
-        c = _finite("min_confidence", self.min_confidence, "chain: min_confidence")
-        if not 0.0 <= c < 1.0:
-            raise OptionError("min_confidence", f"must be in [0, 1), got {c}", f"chain: min_confidence must be in [0, 1), got {c}")
 
 
 @dataclass(frozen=True)
 class Block(_Row):
     """``k`` positions proposed by one drafter forward (parallel / block drafters); verified
-    exactly like a chain."""
+    exactly like a chain. ``min_confidence`` (adaptive verification): a drafter that predicts
+    each position's acceptance (DSpark's confidence head) cuts the block before the position at
+    which the product of those predictions drops below it; block drafters without one ignore it."""
 
     kind: ClassVar[str] = "block"
     method: ClassVar[str] = "block"

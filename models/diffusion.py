@@ -256,17 +256,22 @@ class DiffusionDrafter(Drafter):
         """Draft-vocab logits [B, Q, V_draft] of block tokens ``ids`` [B, Q] (anchors and mask
         tokens) at ``positions`` [B, Q]. ``mask`` bool [B, Q, C + Q]: which of the C context
         keys and the Q block keys each query sees (True = attend)."""
+        return self.readout(self.block_states(ids, positions, context_kv, mask))
+
+    def block_states(self, ids: torch.Tensor, positions: torch.Tensor, context_kv, mask: torch.Tensor) -> torch.Tensor:
+        """The final-normed states [B, Q, H] that :meth:`readout` turns into :meth:`blocks`'
+        logits (heads on top of the backbone, DSpark's, read them too)."""
         h = self._embed(ids).to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, h)
         for layer, (kc, vc) in zip(self.layers, context_kv):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), cos, sin)
             h = h + layer.self_attn.out(layer.self_attn.attend(q, torch.cat([kc, k], 2), torch.cat([vc, v], 2), mask=mask))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.head(h)
+        return self.norm(h)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else self._target_lm_head(h)
+    def readout(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of final-normed states [..., H]."""
+        return self.lm_head(states) if self.lm_head is not None else self._target_lm_head(states)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -306,6 +311,10 @@ class DiffusionDrafter(Drafter):
         rows ``ids`` [B, T]: block a is ``[x_p, MASK, ...]`` at positions p.., seeing the fused
         features of the row's positions < p and its own gamma slots, exactly what the proposer
         computes after verifying x_0..x_p (tests/test_diffusion.py holds the two to each other)."""
+        return self.readout(self.anchored_states(ids, attention_mask, hidden, anchors))
+
+    def anchored_states(self, ids, attention_mask, hidden, anchors) -> torch.Tensor:
+        """:meth:`anchored_logits` before the readout: final-normed states [B, A, gamma, H]."""
         B, T = ids.shape
         A, G, dev = anchors.shape[1], self.block_size, ids.device
         pos = anchors[..., None] + torch.arange(G, device=dev)  # [B, A, G]
@@ -314,24 +323,41 @@ class DiffusionDrafter(Drafter):
         mask = torch.cat([ctx_mask.expand(B, A, G, T), own.reshape(B, A, G, A * G)], -1).reshape(B, A * G, T + A * G)
         kv = self.context_kv(self.context(hidden), torch.arange(T, device=dev).expand(B, T))
         block = self.block_ids(ids.gather(1, anchors))
-        return self.blocks(block.reshape(B, A * G), pos.reshape(B, A * G), kv, mask).view(B, A, G, -1)
+        return self.block_states(block.reshape(B, A * G), pos.reshape(B, A * G), kv, mask).view(B, A, G, -1)
 
     def training_loss(self, batch, hidden, cfg: DiffusionLoss):
-        ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"].bool(), batch["attention_mask"].bool()
-        B, T = ids.shape
-        J = self.block_size - 1
         if "target_argmax" not in batch:
             batch = {**batch, **self.derived_targets(hidden, batch)}
-        anchors, real = self.sample_anchors(loss_mask, attn, cfg.anchors)  # [B, A]
-        A = anchors.shape[1]
-        logits = self.anchored_logits(ids, attn, hidden, anchors)[:, :, 1:]
-        pos = anchors[..., None] + torch.arange(self.block_size, device=ids.device)
-        # slot k predicts x_{p+k}: the target's output at s = p + k - 1; it counts if x_{p+k} is
-        # an assistant token of this row (and the anchor is real)
-        tgt = pos[..., 1:].clamp_max(T - 1)  # [B, A, J]
-        counted = (pos[..., 1:] < T) & loss_mask.gather(1, tgt.reshape(B, -1)).view(B, A, J) & real[..., None]
-        src = (tgt - 1).reshape(B, -1)
-        greedy = batch["target_argmax"].gather(1, src).view(B, A, J)
+        attn = batch["attention_mask"].bool()
+        anchors, real = self.sample_anchors(batch["loss_mask"].bool(), attn, cfg.anchors)  # [B, A]
+        logits = self.anchored_logits(batch["input_ids"], attn, hidden, anchors)[:, :, 1:]
+        loss, metrics, _ = self.block_objective(logits, self.block_targets(batch, anchors, real), hidden, cfg)
+        return loss, metrics
+
+    def block_targets(self, batch, anchors, real) -> dict[str, torch.Tensor]:
+        """What the masked slots of the blocks at ``anchors`` [B, A] (``real``: not padding)
+        learn, each [B, A, J]: slot k predicts x_{p+k}, the target's output at ``source`` s =
+        p + k - 1 (``greedy``: its greedy token; ``data``: the data's x_{p+k}); it is ``counted``
+        if x_{p+k} is an assistant token of this row and the anchor is real."""
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        B, T = ids.shape
+        A, J = anchors.shape[1], self.block_size - 1
+        pos = anchors[..., None] + torch.arange(1, self.block_size, device=ids.device)  # [B, A, J]
+        tgt = pos.clamp_max(T - 1)
+        src = tgt - 1
+        return {
+            "counted": (pos < T) & loss_mask.gather(1, tgt.reshape(B, -1)).view(B, A, J) & real[..., None],
+            "source": src,
+            "greedy": batch["target_argmax"].gather(1, src.reshape(B, -1)).view(B, A, J),
+            "data": ids.gather(1, tgt.reshape(B, -1)).view(B, A, J),
+        }
+
+    def block_objective(self, logits, targets: dict, hidden, cfg: DiffusionLoss):
+        """(loss, metrics, (log_accept, hit)) of slot logits [B, A, J, V_draft] against
+        :meth:`block_targets`; ``log_accept`` and ``hit`` (the drafted token is the target's
+        greedy one) are [B * A, J]."""
+        B, A, J = targets["counted"].shape
+        greedy, src = targets["greedy"], targets["source"].reshape(B, -1)
         if cfg.targets == "distribution":
             final = hidden[self.num_target_layers]
             rows = final.gather(1, src[..., None].expand(-1, -1, final.shape[-1]))
@@ -340,10 +366,10 @@ class DiffusionDrafter(Drafter):
             log_accept, ce = distribution_terms(logits.reshape(B * A, J, -1), probs, cfg.temperature)
             kl = ce - entropy(probs) if cfg.kind in LK_KINDS else None
         else:
-            labels = greedy if cfg.targets == "greedy" else ids.gather(1, tgt.reshape(B, -1)).view(B, A, J)
+            labels = greedy if cfg.targets == "greedy" else targets["data"]
             log_accept, ce = token_terms(logits.reshape(B * A, J, -1), self.to_draft_ids(labels).view(B * A, J), cfg.temperature)
             kl = None  # one-hot targets: KL is the CE
-        m = counted.view(B * A, J)
+        m = targets["counted"].view(B * A, J)
         loss = block_loss(cfg.kind, log_accept, ce, m, gamma=cfg.gamma, alpha=cfg.dpace_alpha, kl=kl, eta=cfg.eta)
         with torch.no_grad():  # per-position agreement with the target's greedy token, and the greedy accepted prefix
             hit = (self.to_target_ids(logits.argmax(-1)) == greedy).view(B * A, J)
@@ -355,7 +381,7 @@ class DiffusionDrafter(Drafter):
                 "accepted": streak.float().mean().item() if streak.numel() else 0.0,
                 "expected_streak": expected_streak(log_accept, m)[m[:, 0]].mean().item() if m[:, 0].any() else 0.0,
             }
-        return loss, metrics
+        return loss, metrics, (log_accept, hit)
 
 
 def unused_token(samples, vocab_size: int) -> int:

@@ -357,8 +357,8 @@ def test_the_decoder_applies_the_same_check(tiny_llama, kw, needle):
 
 # ---------------------------------------------------------------------- one spec, one check
 @pytest.mark.parametrize("values, flag, field", [
-    (dict(method="tree", min_confidence=0.5), "--min-confidence sets a chain's draft length: use --method chain",
-     "eval.min_confidence sets a chain's draft length: use eval.method chain"),
+    (dict(method="tree", min_confidence=0.5), "--min-confidence sets a chain's or block's draft length: use --method chain or block",
+     "eval.min_confidence sets a chain's or block's draft length: use eval.method chain or block"),
     (dict(static_tree=[[0]]), "--tree-choices applies to --method static_tree", "eval.static_tree applies to eval.method static_tree"),
     (dict(method="static_tree", static_tree=[[1, 0]]), "--tree-choices: static tree: choice [1, 0] has no parent [1]",
      "eval.static_tree: static tree: choice [1, 0] has no parent [1]"),

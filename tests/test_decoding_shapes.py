@@ -102,7 +102,7 @@ def test_recipe_eval_shapes(tmp_path):
         # the rules of draftlab eval's flags (one check_spec), named as the recipe's fields
         ({"method": "static_tree"}, "eval.method static_tree needs eval.static_tree (paths of candidate ranks"),
         ({"method": "static_tree", "static_tree": [[0, 1]]}, "eval.static_tree: static tree: choice [0, 1] has no parent [0]"),
-        ({"method": "tree", "min_confidence": 0.3}, "eval.min_confidence sets a chain's draft length: use eval.method chain"),
+        ({"method": "tree", "min_confidence": 0.3}, "eval.min_confidence sets a chain's or block's draft length: use eval.method chain or block"),
         ({"method": "chain", "static_tree": [[0]]}, "eval.static_tree applies to eval.method static_tree"),
     ],
 )
