@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "generate": ("draftlab.cli_decode:generate_command", "interactive speculative generation with live acceptance"),
     "export": ("draftlab.export.cli", "export a checkpoint for vLLM, SGLang or HF"),
     "import": ("draftlab.export.importer", "import a public drafter in any registered format"),
+    "check": ("draftlab.export.check", "check an export against its checkpoint: config, tensors, the peer's drafts"),
 }
 
 

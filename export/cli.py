@@ -19,11 +19,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast weights (default: as stored)")
     p.add_argument("--verifier", default=None, help="verifier name_or_path written into the speculators config (default: the target's name)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--check", action="store_true",
+                   help="then load the export with the peer's own model class and check it drafts what the checkpoint drafts "
+                   "(config fields, tensors, alpha_j and tau side by side; see `draftlab check`)")
+    from draftlab.export.check import add_check_arguments
+
+    add_check_arguments(p)
 
 
 def run(args) -> int:
     from draftlab.errors import DraftlabError
-    from draftlab.export.exporter import default_speculative_tokens, export_checkpoint
+    from draftlab.export.exporter import default_speculative_tokens, export_checkpoint, load_target
     from draftlab.export.formats import ExportOptions
     from draftlab.checkpoint import read_meta
 
@@ -35,6 +41,14 @@ def run(args) -> int:
     if not 1 <= k <= MAX_K:  # the chain lengths draftlab decodes with, checked before anything loads
         raise DraftlabError(f"{where} must be in 1..{MAX_K}, got {k}")
     opts = ExportOptions(speculative_tokens=k, dtype=args.dtype, verifier=args.verifier)
-    out = export_checkpoint(args.checkpoint, args.to, args.out, args.target, opts, overwrite=args.overwrite)
+    target = load_target(args.target) if args.check else args.target  # loaded once: the check decodes with it too
+    out = export_checkpoint(args.checkpoint, args.to, args.out, target, opts, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} for {args.to} -> {out} (see {out}/README.md)")
+    if args.check:
+        from draftlab.export.check import check_export
+        from draftlab.export.formats import export_format
+
+        fmt = export_format(args.to, read_meta(args.checkpoint)["algorithm"])
+        check_export(out, args.checkpoint, target, fmt, speculative_tokens=k, data=args.data, num_prompts=args.num_prompts,
+                     max_new_tokens=args.max_new_tokens)
     return 0

@@ -127,6 +127,22 @@ class Format:
         """Model-card bullets on what this layout does with the drafter (conventions, omissions)."""
         return []
 
+    # ---- served equals trained (export/check.py) ----------------------------------
+    # dotted config keys a user may set to anything without changing what is served (a
+    # verifier path, say): ``draftlab check`` does not compare them with the checkpoint's
+    free_keys: tuple[str, ...] = ()
+
+    def detect(self, config: dict) -> bool:
+        """Whether ``config`` (an export's config.json) is this layout: ``draftlab check`` finds
+        an existing export's format so, among the formats of the checkpoint's algorithm."""
+        return False
+
+    def peer_proposer(self, out: Path, config: dict, drafter, target):
+        """A :class:`~draftlab.export.check.PeerProposer` drafting with the peer's own model
+        class loaded from the export ``out``, or None where no peer loader exists (the check
+        then compares config and tensors only, and says so)."""
+        return None
+
     # ---- import -----------------------------------------------------------------
     def read_tensors(self, src: Path) -> dict[str, torch.Tensor]:
         """Every tensor of the layout's directory ``src``, by the layout's names. Layouts with

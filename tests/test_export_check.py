@@ -1,0 +1,145 @@
+"""Served equals trained (``export/check.py``): ``draftlab export ... --check`` and ``draftlab check``.
+
+An untouched export passes and prints alpha_j / tau of draftlab's proposer and of the peer's own
+model class side by side; an edited config field (max_position_embeddings, a dropped fc_norm
+flag, the aux layers), an edited tensor or a peer that drafts something else fails with one line
+naming the field, tensor or draft position. Peers are optional (importorskip), as in
+tests/test_export.py.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftlab import atomic
+from draftlab import checkpoint as ckpt
+from draftlab.cli import main as cli_main
+from draftlab.errors import DraftlabError
+from draftlab.export.check import LOGIT_ATOL, check_export, first_difference
+from draftlab.export.exporter import export_checkpoint
+from draftlab.export.formats import ExportOptions
+from draftlab.models.eagle import Eagle1Config, Eagle1Drafter, Eagle3Config, Eagle3Drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXTS = ["Hello! How can I help you today?", "def add(a, b):\n    return a + b", "Translate to French: good morning"]
+N_NEW = 12
+K = 3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A held-out prompt file in the messages form ``draftlab eval --data`` reads."""
+    path = tmp_path_factory.mktemp("prompts") / "heldout.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in TEXTS))
+    return str(path)
+
+
+def _samples(target, n=4, T=24):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, target.vocab_size, (T,), generator=g), "loss_mask": torch.ones(T, dtype=torch.bool)}
+            for _ in range(n)]
+
+
+def _perturb(drafter, seed=1, scale=0.1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return drafter.eval()
+
+
+def _save(drafter, target, path):
+    meta = ckpt.checkpoint_meta(drafter, target.identity, None, 1)
+    with atomic.directory(path) as tmp:
+        ckpt.save_weights(tmp, drafter.state_dict(), meta)
+    return path
+
+
+def _eagle3(target, **kw):
+    cfg = Eagle3Config(num_layers=1, draft_vocab_size=64, aux_layers=[1, 2, 3], **kw)
+    return _perturb(Eagle3Drafter.build(cfg, target, _samples(target)))
+
+
+@pytest.fixture(scope="module")
+def eagle31(tiny_llama, tmp_path_factory):
+    """An EAGLE-3.1 checkpoint (fc_norm on) and its untouched vLLM (speculators) export."""
+    root = tmp_path_factory.mktemp("eagle31")
+    torch.manual_seed(0)
+    c = _save(_eagle3(tiny_llama, fc_norm=True), tiny_llama, root / "ckpt")
+    out = export_checkpoint(c, "vllm", root / "vllm", tiny_llama, ExportOptions(speculative_tokens=K))
+    return c, out
+
+
+def _check(out, c, target, data, **kw):
+    lines = []
+    report = check_export(out, c, target, data=data, num_prompts=len(TEXTS), max_new_tokens=N_NEW, print_fn=lines.append, **kw)
+    return report, lines
+
+
+def _edit_config(out, tmp_path, edit):
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(out, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+# ---------------------------------------------------------------------------- speculators (vLLM)
+def test_untouched_speculators_export_drafts_what_draftlab_drafts(eagle31, tiny_llama, data):
+    pytest.importorskip("speculators.models.eagle3")
+    c, out = eagle31
+    report, lines = _check(out, c, tiny_llama, data)
+    assert report.peer is not None and report.steps > 0
+    assert report.ours.drafts == report.peer.drafts  # every chain, token by token
+    assert report.worst_logit_diff is not None and report.worst_logit_diff <= LOGIT_ATOL
+    assert report.ours.stats.alpha == report.peer.stats.alpha and report.ours.stats.tau == report.peer.stats.tau
+    text = "\n".join(lines)
+    assert "alpha_1" in text and "tau" in text and "speculators Eagle3DraftModel" in text and "draftlab" in text
+
+
+@pytest.mark.parametrize("field,edit,match", [
+    ("max_position_embeddings", lambda c: c["transformer_layer_config"].update(max_position_embeddings=64),
+     r"config field transformer_layer_config\.max_position_embeddings is 64 in the export, 512 from the checkpoint"),
+    ("fc_norm", lambda c: c.pop("fc_norm"), r"config field fc_norm is \(absent\) in the export, true from the checkpoint"),
+    ("aux layers", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 2]),
+     r"config field eagle_aux_hidden_state_layer_ids\[2\] is 2 in the export, 3 "),
+    ("rope_theta", lambda c: c["transformer_layer_config"].update(rope_theta=500000.0), r"rope_theta is 500000\.0 in the export"),
+    ("partial_rotary_factor", lambda c: c["transformer_layer_config"].update(partial_rotary_factor=0.5),
+     r"partial_rotary_factor is 0\.5 in the export, \(absent\)"),
+    ("k", lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=5), r"speculative_tokens is 5 in the export, 3"),
+])
+def test_edited_config_field_fails_with_one_line(field, edit, match, eagle31, tiny_llama, data, tmp_path, capsys):
+    c, out = eagle31
+    edited = _edit_config(out, tmp_path, edit)
+    with pytest.raises(DraftlabError, match=match) as e:
+        _check(edited, c, tiny_llama, data)
+    assert "\n" not in str(e.value)
+    if field == "fc_norm":  # the CLI: exit 2, one error line
+        code = cli_main(["check", str(edited), "--drafter", str(c), "--target", tiny_llama.identity["name"], "--data", data,
+                         "--num-prompts", "1", "--max-new-tokens", "4", "--num-speculative-tokens", str(K)])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("draftlab check:")]
+        assert code == 2 and len(err) == 1 and "config field fc_norm" in err[0]
+
+
+def test_edited_tensor_is_named(eagle31, tiny_llama, data, tmp_path):
+    c, out = eagle31
+    edited = _edit_config(out, tmp_path, lambda c: None)
+    state = load_file(edited / "model.safetensors")
+    state["fc_norm.1.weight"] = state["fc_norm.1.weight"] * 1.01
+    save_file(state, edited / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DraftlabError, match=r"tensor fc_norm\.1\.weight differs from the checkpoint's"):
+        _check(edited, c, tiny_llama, data)
+
+
+def test_first_difference_walks_nested_keys():
+    want = {"a": 1, "b": {"c": [1, 2], "d": True}, "free": 1}
+    assert first_difference(json.loads(json.dumps(want)), want, set()) is None
+    assert first_difference({**want, "b": {"c": [1, 3], "d": True}}, want, set()) == ("b.c[1]", 3, 2)
+    assert first_difference({**want, "b": {"c": [1, 2], "d": 1}}, want, set()) == ("b.d", 1, True)  # 1 is not true
+    assert first_difference({**want, "free": 2, "extra": 0}, want, {"free"}) == ("extra", 0, "(absent)")
