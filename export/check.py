@@ -146,6 +146,7 @@ class PeerProposer(Proposer):
         self.logit_diffs: list[list[float | None]] = []  # per propose, per draft position
 
     def start(self, prompt_ids, hidden, next_token):
+        self.device = prompt_ids.device
         self.ids = torch.cat([prompt_ids.view(-1).cpu(), torch.tensor([int(next_token)])])
         self.hidden = {i: hidden[i].cpu().float() for i in self.layers}
 
@@ -158,10 +159,6 @@ class PeerProposer(Proposer):
         tokens, diffs = self.draft(shape.k)
         self.logit_diffs.append(list(diffs))
         return ChainDraft(torch.tensor(tokens, dtype=torch.long, device=self.device), None)
-
-    @property
-    def device(self):
-        return next(iter(self.hidden.values())).device
 
     def draft(self, k: int) -> tuple[list[int], list[float | None]]:
         raise NotImplementedError

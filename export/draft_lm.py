@@ -29,6 +29,7 @@ from pathlib import Path
 
 from draftlab.atomic import write_json
 from draftlab.errors import DraftlabError
+from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.formats import _GENERIC_KEYS, ExportOptions, Format, register
 
 PROVENANCE = "draftlab"  # config.json key: {"algorithm", "init", "target_layers"}
@@ -112,6 +113,13 @@ class HfCausalLM(Format):
         out.append("`generation_config.json`: `num_assistant_tokens_schedule: constant` and "
                    "`assistant_confidence_threshold: 0`, so HF drafts a fixed chain (its defaults adapt the length).")
         return out
+
+    # ---- served equals trained (export/check.py) ------------------------------------
+    def detect(self, config):
+        return config.get("model_type") != "draftlab-drafter" and bool(config.get("architectures"))
+
+    def peer_proposer(self, out, config, drafter, target):
+        return HfAssistantPeer(out, drafter)
 
     # ---- import -----------------------------------------------------------------
     def check_source(self, src: Path, config: dict, target) -> None:
@@ -199,6 +207,31 @@ class HfCausalLM(Format):
         if head.shape != embed.shape or not bool((head == embed).all()):
             raise DraftlabError(f"{where}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
         del tensors["lm.lm_head.weight"]  # the drafter's checkpoint stores it once, under the embedding
+
+
+class HfAssistantPeer(PeerProposer):
+    """Drafts with what HF's ``assistant_model`` loads: ``AutoModelForCausalLM.from_pretrained``
+    of the export, greedy, one forward over the whole history per draft."""
+
+    peer = "HF AutoModelForCausalLM"
+
+    def __init__(self, out, drafter):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        super().__init__((), drafter)
+        self.model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+    def draft(self, k):
+        import torch
+
+        ids, drafts, diffs = self.ids[None], [], []
+        for _ in range(k):
+            logits = self.model(ids).logits[0, -1].float()
+            diffs.append(max_diff(logits, self.drafter.lm(ids).logits[0, -1].float()))
+            drafts.append(int(logits.argmax()))
+            ids = torch.cat([ids, ids.new_tensor([[drafts[-1]]])], dim=1)
+        return drafts, diffs
 
 
 register(HfCausalLM())

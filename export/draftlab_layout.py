@@ -36,6 +36,9 @@ class DraftlabLayout(Format):
         save_weights(tmp, drafter.export_state_dict(), {k: v for k, v in meta.items() if k != "format"})
         write_json(tmp / "config.json", self.export_config(drafter, target, meta, opts))
 
+    def detect(self, config):
+        return config.get("model_type") == "draftlab-drafter"
+
     def serving(self, out, target_name, opts, config):
         return f"```bash\ndraftlab eval --drafter {out} --target {target_name}\n```"
 

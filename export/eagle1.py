@@ -21,6 +21,7 @@ loaded by SGLang's ``LlamaForCausalLMEagle`` and (without fc bias) vLLM's ``Eagl
 from __future__ import annotations
 
 from draftlab.errors import DraftlabError
+from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.formats import ExportOptions, Format, layer_config, llama_compatible, register, shape_from_config
 
 
@@ -83,6 +84,18 @@ class EagleLayout(Format):
             out.append("fc.bias was exactly zero and is omitted (vLLM's EagleLlamaForCausalLM has no fc bias).")
         return out
 
+    # ---- served equals trained (export/check.py) ------------------------------------
+    def detect(self, config):
+        return (config.get("architectures") or [None])[0] == self.architecture and "draftlab" not in config  # a draft LM's has it
+
+    def peer_proposer(self, out, config, drafter, target):
+        try:
+            from eagle.model.cnets import Model
+            from eagle.model.configs import EConfig
+        except ImportError:
+            return None
+        return EagleRepoPeer(out, config, drafter, target, Model, EConfig)
+
     def import_meta(self, config, tensors, target):
         where = "EAGLE config.json"
         shape, cfg = shape_from_config(config, where, target)
@@ -101,6 +114,49 @@ class EagleLayout(Format):
             "num_layers": cfg.num_hidden_layers,
             "num_target_layers": target.num_layers,
         }
+
+
+class EagleRepoPeer(PeerProposer):
+    """Drafts with the EAGLE repository's ``cnets.Model`` (eagle-llm 1.2.1) built from the
+    export's config.json, weights loaded strictly, the target's lm_head reading it out. EAGLE-1
+    feeds each draft position the model's own output of the position before, so a draft is one
+    causal forward over the history with the speculative positions appended."""
+
+    peer = "EAGLE cnets.Model"
+
+    def __init__(self, out, config, drafter, target, model_cls, config_cls):
+        from draftlab.checkpoint import read_weights
+
+        super().__init__(drafter.capture_layers, drafter)
+        cfg = config_cls.from_pretrained(str(out))
+        if config.get("rope_scaling") is None:
+            # transformers 5 turns the file's `rope_scaling: null` into its rope_parameters dict, which
+            # eagle-llm (written for 4.x) reads as a scaling spec: keep what the file says
+            cfg.rope_scaling = None
+        state = {k: v.float() for k, v in read_weights(out / "model.safetensors").items()}
+        m = model_cls(cfg, bias="fc.bias" in state)
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: EAGLE's cnets.Model does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.lm_head, self.L = m.float().eval(), target.lm_head, drafter.num_target_layers
+
+    def draft(self, k):
+        import torch
+
+        feats, tokens = self.hidden[self.L], self.ids[1:][None]
+        drafts, diffs = [], []
+        for _ in range(k):
+            h = self.model(feats, input_ids=tokens)
+            logits = self.lm_head(h[:, -1].to(self.lm_head.weight.dtype)).float()[0]
+            drafts.append(int(logits.argmax()))
+            n = tokens.shape[1]  # draftlab's layers on the same inputs, for the logits
+            ours = self.drafter.stack(self.drafter.embed(tokens), feats, torch.arange(n)[None],
+                                      lambda i, attn: lambda q, k_, v: attn.attend(q, k_, v, causal=True))
+            diffs.append(max_diff(logits, self.drafter.head(ours[:, -1]).float()[0]))
+            feats = torch.cat([feats, h[:, -1:]], dim=1)
+            tokens = torch.cat([tokens, tokens.new_tensor([[drafts[-1]]])], dim=1)
+        return drafts, diffs
 
 
 register(EagleLayout("eagle", "sglang", "LlamaForCausalLMEagle", fc_bias=True))

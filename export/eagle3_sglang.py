@@ -27,7 +27,10 @@ the layout SpecForge trains and exports.
 
 from __future__ import annotations
 
+import torch
+
 from draftlab.errors import DraftlabError
+from draftlab.export.check import PeerProposer, max_diff
 from draftlab.models.eagle import Eagle3Drafter
 from draftlab.export.formats import (
     ExportOptions,
@@ -97,6 +100,17 @@ class SGLangEagle3(Format):
         ] + (["EAGLE-3.1 `fc_norm: true` (`fc_norm.{0,1,2}.weight`): serve with an SGLang whose EAGLE-3 model reads "
               "fc_norm, as SpecForge 0.2.0's does; one that does not skips those tensors silently."] if config["fc_norm"] else [])
 
+    # ---- served equals trained (export/check.py) ------------------------------------
+    def detect(self, config):
+        return (config.get("architectures") or [None])[0] == "LlamaForCausalLMEagle3"
+
+    def peer_proposer(self, out, config, drafter, target):
+        try:
+            from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+        except ImportError:
+            return None
+        return SpecForgeEagle3Peer(out, config, drafter, target, LlamaForCausalLMEagle3)
+
     def import_meta(self, config, tensors, target):
         where = "SGLang config.json"
         arch = (config.get("architectures") or [None])[0]
@@ -141,6 +155,56 @@ class SGLangEagle3(Format):
             "num_target_layers": L,
             "fc_norm": config.get("fc_norm", False),
         }
+
+
+class SpecForgeEagle3Peer(PeerProposer):
+    """Drafts with SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (the model SGLang's layout comes
+    from) built from the export's config.json, weights loaded strictly (the embedding is the
+    target's, as SGLang's worker shares it), through its own TTT pieces: ``project_hidden_states``,
+    ``backbone`` over its step cache, ``compute_logits``. Step i reads the token i places on; at
+    the last kept position that is the draft of step i - 1, so one pass drafts the chain. The aux
+    states are the ones SGLang captures: ``eagle_aux_hidden_state_layer_ids`` + 1."""
+
+    peer = "SpecForge LlamaForCausalLMEagle3"
+
+    def __init__(self, out, config, drafter, target, model_cls):
+        from transformers import LlamaConfig
+
+        from draftlab.checkpoint import read_weights
+
+        super().__init__(drafter.capture_layers, drafter)
+        m = model_cls(LlamaConfig(**config))
+        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: SpecForge's LlamaForCausalLMEagle3 does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model = m.float().eval()
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        self.aux = [i + 1 for i in ids] if ids is not None else Eagle3Drafter.default_aux_layers(target.num_layers)
+        if any(i not in self.layers for i in self.aux):
+            raise DraftlabError(f"{out}: eagle_config.eagle_aux_hidden_state_layer_ids {ids} capture target states {self.aux}, "
+                                f"not the checkpoint's aux layers {list(drafter.aux_layers)}")
+
+    def draft(self, k):
+        from draftlab.export.eagle3_speculators import eagle3_reference
+
+        m, N = self.model, self.ids.numel() - 1
+        with torch._dynamo.config.patch(disable=True):  # SpecForge compiles its norm/RoPE; not worth it on a CPU check
+            h = m.project_hidden_states(torch.cat([self.hidden[i] for i in self.aux], -1))
+            mask = m.prepare_decoder_attention_mask(torch.ones(1, N, dtype=torch.bool), h, 1, N, 0)
+            cache, tokens, pos = [[], []], self.ids[1:].clone()[None], torch.arange(N)[None]
+            drafts, logits = [], []
+            for _ in range(k):
+                h = m.backbone(m.embed_input_ids(tokens), h, cache, mask, pos)
+                lg = m.compute_logits(h)[0, N - 1]
+                d = int(lg.argmax())
+                drafts.append(d + int(m.d2t[d]))  # SGLang's hot_token_id = d2t + arange
+                logits.append(lg)
+                tokens = torch.cat([tokens[:, 1:], tokens.new_tensor([[drafts[-1]]])], dim=1)  # step i + 1 reads x_{t+1+i}
+        ours = eagle3_reference(self.drafter, self.ids, self.padded(k), drafts, k)
+        return drafts, [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 register(SGLangEagle3())

@@ -35,6 +35,7 @@ import torch
 
 from draftlab.atomic import write_bytes
 from draftlab.errors import DraftlabError
+from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.formats import ExportOptions, Format, read_torch_tensors, register, vocab_maps
 from draftlab.models.medusa import MedusaDrafter
 
@@ -95,6 +96,10 @@ class VllmMedusa(Format):
                 "token ids; vLLM scatters the heads' logits onto the full vocabulary (-inf elsewhere)."
             )
         return out
+
+    # ---- served equals trained (export/check.py) ------------------------------------
+    def detect(self, config):
+        return config.get("model_type") == "medusa"
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
@@ -245,6 +250,19 @@ class FasterDecodingMedusa(Format):
             )
         return out
 
+    # ---- served equals trained (export/check.py) ------------------------------------
+    free_keys = ("base_model_name_or_path",)  # --verifier: any path naming the target
+
+    def detect(self, config):
+        return "medusa_num_heads" in config
+
+    def peer_proposer(self, out, config, drafter, target):
+        try:
+            from medusa.model.medusa_model import MedusaModel
+        except ImportError:
+            return None
+        return MedusaLlmPeer(out, config, drafter, target, MedusaModel)
+
     # ---- import -----------------------------------------------------------------
     def read_tensors(self, src: Path) -> dict[str, torch.Tensor]:
         """The .safetensors, else the .pt (tensors only: ``weights_only=True``)."""
@@ -279,6 +297,37 @@ class FasterDecodingMedusa(Format):
             "hidden_size": target.hidden_size, "vocab_size": V, "draft_vocab_size": V, "num_heads": num_heads,
             "num_layers": L, "num_target_layers": target.num_layers,
         }
+
+
+class MedusaLlmPeer(PeerProposer):
+    """Drafts with medusa-llm's ``MedusaModel`` around the target's HF model, its heads loaded
+    strictly from ``medusa_lm_head.pt`` (what its ``from_pretrained`` reads): head i's top-1 at
+    the last kept input is the i-th draft, from one forward over the history."""
+
+    peer = "medusa-llm MedusaModel"
+
+    def __init__(self, out, config, drafter, target, model_cls):
+        import tempfile
+
+        super().__init__(drafter.capture_layers, drafter)
+        with tempfile.TemporaryDirectory() as tok:  # it loads the tokenizer from base_model_name_or_path
+            target.tokenizer.save_pretrained(tok)
+            m = model_cls(target.model, config["medusa_num_heads"], config["medusa_num_layers"], tok)
+        state = {k: v.float() for k, v in read_torch_tensors(out / FasterDecodingMedusa.PICKLE).items()}
+        try:
+            m.medusa_head.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: medusa-llm's MedusaModel does not load the heads ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.L = m.eval(), drafter.num_target_layers
+        self.model.medusa_head.float()
+
+    def draft(self, k):
+        N = self.ids.numel() - 1
+        logits = self.model(input_ids=self.ids[None, :N])[:, 0, -1].float()  # [heads, V] at the last kept input
+        n = min(k, logits.shape[0])
+        last = self.hidden[self.L][:, -1]
+        diffs = [max_diff(logits[i], self.drafter.head_logits(last, i)[0].float()) for i in range(n)]
+        return logits[:n].argmax(-1).tolist(), diffs
 
 
 register(VllmMedusa())

@@ -137,6 +137,48 @@ def test_edited_tensor_is_named(eagle31, tiny_llama, data, tmp_path):
         _check(edited, c, tiny_llama, data)
 
 
+# ---------------------------------------------------------------------------- other peers
+PEERS = {"sglang": ("specforge.modeling.draft.llama3_eagle", "SpecForge LlamaForCausalLMEagle3"),
+         "eagle1-sglang": ("eagle.model.cnets", "EAGLE cnets.Model"), "eagle1-vllm": ("eagle.model.cnets", "EAGLE cnets.Model"),
+         "medusa-medusa": ("medusa.model.medusa_model", "medusa-llm MedusaModel"), "draft_lm-hf": ("transformers", "HF AutoModelForCausalLM")}
+
+
+def _drafter(engine, target):
+    from draftlab.models.draft_lm import DraftLM, DraftLMConfig
+    from draftlab.models.medusa import MedusaConfig, MedusaDrafter
+
+    if engine == "sglang":
+        return _eagle3(target, fc_norm=True)
+    if engine == "medusa-medusa":  # medusa-llm repeats one ResBlock object per head: 1 block
+        return _perturb(MedusaDrafter.build(MedusaConfig(num_heads=3, num_layers=1, draft_vocab_size=0), target, _samples(target)))
+    if engine == "draft_lm-hf":
+        return DraftLM.build(DraftLMConfig(num_layers=1), target).eval()  # initialised from the target: it accepts
+    d = _perturb(Eagle1Drafter.build(Eagle1Config(num_layers=1), target), scale=0.05)
+    if engine == "eagle1-vllm":
+        with torch.no_grad():
+            d.fc.bias.zero_()  # vLLM's EAGLE fc has no bias
+    return d
+
+
+@pytest.mark.parametrize("engine", list(PEERS))
+def test_export_check_cli_with_each_peer(engine, tiny_llama, data, tmp_path, capsys):
+    """``draftlab export ... --check``: the export, then the table of both proposers."""
+    module, peer = PEERS[engine]
+    pytest.importorskip(module)
+    torch.manual_seed(0)
+    c = _save(_drafter(engine, tiny_llama), tiny_llama, tmp_path / "ckpt")
+    to = engine.rpartition("-")[2]
+    code = cli_main(["export", str(c), "--to", to, str(tmp_path / "out"), "--target", tiny_llama.identity["name"], "--check",
+                     "--data", data, "--num-prompts", "2", "--max-new-tokens", "8", "--num-speculative-tokens", str(K)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert peer in text and "draftlab" in text and "alpha_1" in text and "drafts equal at all" in text
+    # draftlab check on the same directory detects its layout from config.json
+    code = cli_main(["check", str(tmp_path / "out"), "--drafter", str(c), "--target", tiny_llama.identity["name"], "--data", data,
+                     "--num-prompts", "1", "--max-new-tokens", "4", "--num-speculative-tokens", str(K)])
+    assert code == 0 and peer in capsys.readouterr().out
+
+
 def test_first_difference_walks_nested_keys():
     want = {"a": 1, "b": {"c": [1, 2], "d": True}, "free": 1}
     assert first_difference(json.loads(json.dumps(want)), want, set()) is None
