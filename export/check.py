@@ -33,7 +33,7 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.proposer import Proposer
-from draftlab.inference.shapes import Chain, ChainDraft
+from draftlab.inference.shapes import Block, Chain, ChainDraft
 
 # Peer and draftlab logits on the same inputs, fp32 on the CPU: the load tests see <= 1e-5
 # (different op order and fused projections); 1e-4 leaves room for longer contexts, while a
@@ -214,7 +214,8 @@ def decode(target, proposer: Proposer, label: str, prompts: list[list[int]], k: 
     side = Side(label)
     for ids in prompts:
         rec = _Recorder(proposer)
-        res = Decoder(target, rec).generate([torch.tensor(ids)], max_new_tokens, Chain(k), eos_token_id=eos).rows[0]
+        shape = Chain(k) if "chain" in proposer.shapes else Block(k)  # block drafters: a block's first k slots
+        res = Decoder(target, rec).generate([torch.tensor(ids)], max_new_tokens, shape, eos_token_id=eos).rows[0]
         side.stats.merge(res.stats())
         side.drafts.append(rec.drafts)
         if isinstance(proposer, PeerProposer):
@@ -329,9 +330,12 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     eos = getattr(target.tokenizer, "eos_token_id", None)
     recipe = meta.get("recipe") if isinstance(meta.get("recipe"), dict) else {}
     ours = PROPOSERS.get(drafter.algorithm, "algorithm")(drafter, trained_depth=drafter.trained_depth(recipe.get("loss") or {}))
+    if "chain" not in ours.shapes and hasattr(drafter, "block_size"):
+        k = report.k = drafter.block_size - 1  # a block drafter drafts its whole block, as vLLM serves it
     report.ours = decode(target, ours, "draftlab", prompts, k, max_new_tokens, eos)
     report.peer = decode(target, peer, peer.peer, prompts, k, max_new_tokens, eos)
-    say(f"  decoding: {len(prompts)} prompts of {data}, greedy chain k={k}, {max_new_tokens} new tokens")
+    say(f"  decoding: {len(prompts)} prompts of {data}, greedy {'chain' if 'chain' in ours.shapes else 'block'} k={k}, "
+        f"{max_new_tokens} new tokens")
     report.lines += table([report.ours, report.peer])
     report.steps, report.worst_logit_diff = compare(report.ours, report.peer, where)
     w = report.worst_logit_diff

@@ -49,6 +49,7 @@ DFlash weight loader (reduced-vocabulary ``d2t`` handling included) was not read
 from __future__ import annotations
 
 from draftlab.errors import DraftlabError
+from draftlab.export.check import PeerProposer
 from draftlab.export.formats import ExportOptions, Format, layer_config, register, serving_aux_ids, shape_from_config, speculators_config, vocab_maps
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
@@ -162,6 +163,20 @@ class SpeculatorsDFlash(Format):
             "No `embed_tokens.weight`: the block is embedded with the verifier's embedding.",
         ]
 
+    # ---- served equals trained (export/check.py) ------------------------------------
+    free_keys = ("speculators_config.verifier.name_or_path",)  # --verifier: any path naming the target
+
+    def detect(self, config):
+        return config.get("speculators_model_type") == "dflash"
+
+    def peer_proposer(self, out, config, drafter, target):
+        try:
+            from speculators import SpeculatorModelConfig
+            from speculators.models.dflash import DFlashDraftModel
+        except ImportError:
+            return None
+        return SpeculatorsDFlashPeer(out, drafter, target, SpeculatorModelConfig, DFlashDraftModel)
+
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators dflash config.json"
@@ -184,6 +199,61 @@ class SpeculatorsDFlash(Format):
             raise DraftlabError(f"{where}: missing aux_hidden_state_layer_ids")
         vocab_maps(tensors, V, vd, where)
         return _meta(shape, cfg, target, vd, layers, block_size, mask, where, "aux_hidden_state_layer_ids")
+
+
+class SpeculatorsDFlashPeer(PeerProposer):
+    """Drafts with speculators' ``DFlashDraftModel`` built from the export's config.json, weights
+    loaded strictly; what speculators takes from the verifier (embedding, its lm_head with the
+    full vocabulary) is the target's. Its own modules run the block ``[last, MASK...]`` after the
+    whole context (``fc`` -> ``hidden_norm`` of the aux states), every slot seeing the context and
+    the whole block, as vLLM's DFlash drafts; slot j's argmax is the j-th draft."""
+
+    peer = "speculators DFlashDraftModel"
+    shapes = frozenset({"block"})
+
+    def __init__(self, out, drafter, target, config_cls, model_cls):
+        from draftlab.checkpoint import read_weights
+
+        super().__init__(drafter.capture_layers, drafter)
+        cfg = config_cls.from_pretrained(str(out))
+        cfg.transformer_layer_config._attn_implementation = "eager"  # no flex-attention compile on CPU
+        m = model_cls(cfg)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+        head = target.lm_head.weight.detach().float().cpu()
+        own = m.state_dict()
+        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
+        for key in ("verifier_lm_head.weight", "verifier_norm.weight"):  # training-only: not used to draft
+            state[key] = own[key]
+        if not m.use_draft_vocab:
+            state["lm_head.weight"] = head
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: speculators' DFlashDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.aux, self.mask, self.G = m.float().eval(), list(cfg.aux_hidden_state_layer_ids), cfg.mask_token_id, cfg.block_size
+
+    def draft(self, k):
+        import torch
+
+        from draftlab.export.check import max_diff
+
+        m, N, G = self.model, self.ids.numel() - 1, self.G
+        block = torch.full((1, G), self.mask, dtype=torch.long)
+        block[0, 0] = self.ids[-1]
+        ctx = m.hidden_norm(m.fc(torch.cat([self.hidden[i] for i in self.aux], -1)))
+        h, pos = m.embed_tokens(block), torch.arange(N + G)[None]  # RoPE over [context positions, block positions]
+        pe = m.rotary_emb(h, pos)
+        for layer in m.layers:
+            h = layer(hidden_states=h, target_hidden=ctx, attention_mask=torch.zeros(1, 1, G, N + G), position_ids=pos,
+                      position_embeddings=pe)
+        logits = m.lm_head(m.norm(h))[0, 1 : 1 + k]
+        d = self.drafter  # draftlab's block over the same context, for the logits
+        kv = d.context_kv(d.context(self.hidden), torch.arange(N)[None])
+        ours = d.blocks(d.block_ids(self.ids[-1:]), torch.arange(N, N + G)[None], kv, torch.ones(1, G, N + G, dtype=torch.bool))[0, 1 : 1 + k]
+        drafts = logits.argmax(-1)
+        if m.use_draft_vocab:
+            drafts = drafts + m.d2t[drafts]
+        return drafts.tolist(), [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 # ============================================================================ z-lab (SGLang)

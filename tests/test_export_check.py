@@ -140,7 +140,8 @@ def test_edited_tensor_is_named(eagle31, tiny_llama, data, tmp_path):
 # ---------------------------------------------------------------------------- other peers
 PEERS = {"sglang": ("specforge.modeling.draft.llama3_eagle", "SpecForge LlamaForCausalLMEagle3"),
          "eagle1-sglang": ("eagle.model.cnets", "EAGLE cnets.Model"), "eagle1-vllm": ("eagle.model.cnets", "EAGLE cnets.Model"),
-         "medusa-medusa": ("medusa.model.medusa_model", "medusa-llm MedusaModel"), "draft_lm-hf": ("transformers", "HF AutoModelForCausalLM")}
+         "medusa-medusa": ("medusa.model.medusa_model", "medusa-llm MedusaModel"), "draft_lm-hf": ("transformers", "HF AutoModelForCausalLM"),
+         "diffusion-vllm": ("speculators.models.dflash", "speculators DFlashDraftModel")}
 
 
 def _drafter(engine, target):
@@ -151,6 +152,11 @@ def _drafter(engine, target):
         return _eagle3(target, fc_norm=True)
     if engine == "medusa-medusa":  # medusa-llm repeats one ResBlock object per head: 1 block
         return _perturb(MedusaDrafter.build(MedusaConfig(num_heads=3, num_layers=1, draft_vocab_size=0), target, _samples(target)))
+    if engine == "diffusion-vllm":
+        from draftlab.models.diffusion import DiffusionConfig, DiffusionDrafter
+
+        cfg = DiffusionConfig(num_layers=1, block_size=4, draft_vocab_size=64, target_layers=[1, 3])
+        return _perturb(DiffusionDrafter.build(cfg, target, _samples(target, T=40)))
     if engine == "draft_lm-hf":
         return DraftLM.build(DraftLMConfig(num_layers=1), target).eval()  # initialised from the target: it accepts
     d = _perturb(Eagle1Drafter.build(Eagle1Config(num_layers=1), target), scale=0.05)
@@ -177,6 +183,37 @@ def test_export_check_cli_with_each_peer(engine, tiny_llama, data, tmp_path, cap
     code = cli_main(["check", str(tmp_path / "out"), "--drafter", str(c), "--target", tiny_llama.identity["name"], "--data", data,
                      "--num-prompts", "1", "--max-new-tokens", "4", "--num-speculative-tokens", str(K)])
     assert code == 0 and peer in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def theta_llama(tmp_path_factory):
+    """A tiny Llama with RoPE theta 50000 (Llama-3 uses 500000)."""
+    from tiny import make_tokenizer, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from draftlab.models.target import Target
+
+    torch.manual_seed(0)
+    tok = make_tokenizer()
+    cfg = tiny_config("llama", vocab_size=len(tok))
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+    path = tmp_path_factory.mktemp("theta_llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Target.load(str(path))
+
+
+def test_peer_that_computes_something_else_fails_at_the_first_draft(theta_llama, data, tmp_path):
+    """eagle-llm's cnets.Model hard-codes RoPE theta 10000: for a target with another theta its
+    drafts are not the drafter's, which config and tensors cannot show (both are right)."""
+    pytest.importorskip("eagle.model.cnets")
+    torch.manual_seed(0)
+    c = _save(_perturb(Eagle1Drafter.build(Eagle1Config(num_layers=1), theta_llama), scale=0.05), theta_llama, tmp_path / "ckpt")
+    out = export_checkpoint(c, "sglang", tmp_path / "out", theta_llama)
+    assert json.loads((out / "config.json").read_text())["rope_theta"] == 50000.0
+    with pytest.raises(DraftlabError, match=r"prompt 0, step 0, draft position 0: the peer's logits differ from draftlab's by \S+ "
+                                            r"\(tolerance 0\.0001\)"):
+        _check(out, c, theta_llama, data)
 
 
 def test_first_difference_walks_nested_keys():
