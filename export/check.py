@@ -262,13 +262,23 @@ class CheckReport:
     lines: list[str] = field(default_factory=list)
 
 
+def own_hook(fmt, name: str) -> bool:
+    """Whether ``fmt``'s hook ``name`` was written for its own algorithm. A layout derived from
+    another family's (P-EAGLE's from EAGLE-3's speculators format) inherits that family's hooks,
+    which would load its export with the other family's peer: it adds its own instead."""
+    for cls in type(fmt).__mro__:
+        if name in vars(cls):
+            return getattr(cls, "algorithm", "*") in (fmt.algorithm, "*")
+    return False
+
+
 def detect_format(config: dict, algorithm: str, where: str):
     """The registered format an export's config.json is, among those of ``algorithm``."""
     from draftlab.export.formats import EXPORTS
     from draftlab.registry import discover
 
     discover()
-    found = {id(f): f for (_, a), f in EXPORTS.items() if a in (algorithm, "*") and f.detect(config)}
+    found = {id(f): f for (_, a), f in EXPORTS.items() if a in (algorithm, "*") and own_hook(f, "detect") and f.detect(config)}
     if len(found) != 1:
         names = sorted({f"{type(f).__name__}" for f in found.values()})
         raise DraftlabError(f"{where}: config.json is {'no' if not found else 'more than one'} known layout of "
@@ -320,9 +330,9 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     say(f"  config: {report.config_fields} fields equal the checkpoint's and target's; tensors: {report.tensors} equal")
 
     drafter = _rounded(drafter.eval(), opts.dtype)
-    peer = fmt.peer_proposer(out, config, drafter, target)
+    peer = fmt.peer_proposer(out, config, drafter, target) if own_hook(fmt, "peer_proposer") else None
     if peer is None:
-        say("  decoding: no peer loader for this layout (config and tensors only)")
+        say("  decoding: not run: this layout has no peer loader (Format.peer_proposer) or its package is not installed")
         for line in report.lines:
             print_fn(line)
         return report

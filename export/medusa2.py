@@ -26,6 +26,9 @@ class VllmMedusa2(VllmMedusa):
     engines = ("vllm",)
     title = "vLLM `MedusaModel` layout (Medusa-2 heads; serve them on the merged target)"
 
+    def detect(self, config):
+        return super().detect(config)  # Medusa-1's vLLM config: a Medusa-2 checkpoint tells them apart
+
     def export_state(self, drafter, target):
         return super().export_state(drafter.medusa_heads(), target)  # heads, blocks, token_map: no LoRA tensor
 

@@ -216,6 +216,35 @@ def test_peer_that_computes_something_else_fails_at_the_first_draft(theta_llama,
         _check(out, c, theta_llama, data)
 
 
+def test_layout_without_peer_checks_config_and_tensors(tiny_llama, data, tmp_path):
+    """vLLM's Medusa layout has no installable peer here: config and tensors are still checked."""
+    from draftlab.models.medusa import MedusaConfig, MedusaDrafter
+
+    d = _perturb(MedusaDrafter.build(MedusaConfig(num_heads=2, num_layers=1, draft_vocab_size=48), tiny_llama, _samples(tiny_llama)))
+    c = _save(d, tiny_llama, tmp_path / "ckpt")
+    out = export_checkpoint(c, "vllm", tmp_path / "out", tiny_llama)
+    report, lines = _check(out, c, tiny_llama, data)
+    assert report.peer is None and report.tensors == 7 and "not run" in lines[-1]
+    state = load_file(out / "model.safetensors")
+    state["token_map"] = state["token_map"].flip(0).contiguous()  # a vocabulary map edited: the heads read other tokens
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(DraftlabError, match=r"tensor token_map differs from the checkpoint's"):
+        _check(out, c, tiny_llama, data)
+
+
+def test_a_derived_family_does_not_inherit_the_peer():
+    """P-EAGLE's layout derives from EAGLE-3's speculators format: its exports must not be loaded
+    with EAGLE-3's peer (nor detected as EAGLE-3's) unless it adds its own hooks."""
+    from draftlab.export.check import own_hook
+    from draftlab.export.eagle3_speculators import SpeculatorsEagle3
+
+    class Derived(SpeculatorsEagle3):
+        algorithm = "derived"
+
+    assert own_hook(SpeculatorsEagle3(), "peer_proposer") and own_hook(SpeculatorsEagle3(), "detect")
+    assert not own_hook(Derived(), "peer_proposer") and not own_hook(Derived(), "detect")
+
+
 def test_first_difference_walks_nested_keys():
     want = {"a": 1, "b": {"c": [1, 2], "d": True}, "free": 1}
     assert first_difference(json.loads(json.dumps(want)), want, set()) is None
