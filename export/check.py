@@ -79,8 +79,8 @@ def first_difference(have, want, free: set[str], path: str = ""):
 
 def check_config(fmt, config: dict, drafter, target, meta: dict, opts, where: str) -> int:
     """Raise on the first config key the export and the checkpoint+target disagree on; returns
-    how many keys were compared."""
-    want = json.loads(json.dumps(fmt.export_config(drafter, target, meta, opts)))  # JSON's own types, as written
+    how many keys were compared. ``config``: the export's :meth:`Format.served_config`."""
+    want = json.loads(json.dumps(fmt.expected_config(drafter, target, meta, opts)))  # JSON's own types, as written
     free = {*GENERIC_FREE, *fmt.free_keys}
     d = first_difference(config, want, free)
     if d:
@@ -323,7 +323,8 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     k = speculative_tokens or default_speculative_tokens(meta)
     opts = ExportOptions(speculative_tokens=k, dtype=dtype if dtype in ("bfloat16", "float16") else None)
 
-    report = CheckReport(check_config(fmt, config, drafter, target, meta, opts, where), check_tensors(fmt, out, drafter, target, opts, where))
+    served = fmt.served_config(out)
+    report = CheckReport(check_config(fmt, served, drafter, target, meta, opts, where), check_tensors(fmt, out, drafter, target, opts, where))
     report.k = k
     say = report.lines.append
     say(f"served-equals-trained check: {out} ({fmt.title}) against {checkpoint}")

@@ -115,6 +115,17 @@ class HfCausalLM(Format):
         return out
 
     # ---- served equals trained (export/check.py) ------------------------------------
+    GENERATION = "generation_config.json"  # HF's assistant reads its chain length there
+    free_keys = (f"{GENERATION}.transformers_version",)
+
+    def served_config(self, out):
+        from draftlab.checkpoint import read_json
+
+        return {**super().served_config(out), self.GENERATION: read_json(out / self.GENERATION)}
+
+    def expected_config(self, drafter, target, meta, opts):
+        return {**self.export_config(drafter, target, meta, opts), self.GENERATION: self.generation_config(target, opts.speculative_tokens)}
+
     def detect(self, config):
         return config.get("model_type") != "draftlab-drafter" and bool(config.get("architectures"))
 

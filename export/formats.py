@@ -132,6 +132,15 @@ class Format:
     # verifier path, say): ``draftlab check`` does not compare them with the checkpoint's
     free_keys: tuple[str, ...] = ()
 
+    def served_config(self, out: Path) -> dict:
+        """Every setting an engine reads from the export ``out``, as one dict: its config.json (a
+        layout with more such files adds them under their file names)."""
+        return read_config(out)
+
+    def expected_config(self, drafter, target, meta: dict, opts: ExportOptions) -> dict:
+        """What :meth:`served_config` must hold for this checkpoint and target."""
+        return self.export_config(drafter, target, meta, opts)
+
     def detect(self, config: dict) -> bool:
         """Whether ``config`` (an export's config.json) is this layout: ``draftlab check`` finds
         an existing export's format so, among the formats of the checkpoint's algorithm."""

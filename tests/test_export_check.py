@@ -179,6 +179,12 @@ def test_export_check_cli_with_each_peer(engine, tiny_llama, data, tmp_path, cap
     text = capsys.readouterr().out
     assert code == 0, text
     assert peer in text and "draftlab" in text and "alpha_1" in text and "drafts equal at all" in text
+    if engine == "draft_lm-hf":  # HF's assistant reads its chain length from generation_config.json
+        gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+        (tmp_path / "out" / "generation_config.json").write_text(json.dumps({**gen, "num_assistant_tokens": 20}))
+        with pytest.raises(DraftlabError, match=r"generation_config\.json\.num_assistant_tokens is 20 in the export, 3 "):
+            _check(tmp_path / "out", c, tiny_llama, data, speculative_tokens=K)
+        (tmp_path / "out" / "generation_config.json").write_text(json.dumps(gen))
     # draftlab check on the same directory detects its layout from config.json
     code = cli_main(["check", str(tmp_path / "out"), "--drafter", str(c), "--target", tiny_llama.identity["name"], "--data", data,
                      "--num-prompts", "1", "--max-new-tokens", "4", "--num-speculative-tokens", str(K)])
