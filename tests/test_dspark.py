@@ -24,6 +24,8 @@ from draftlab.inference.shapes import Block
 from draftlab.models.dspark import DSparkConfig, DSparkDrafter, DSparkLoss
 from tiny import assert_one_line, edit_checkpoint, random_samples, save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYERS = [1, 3]  # distinct, ascending, capturable: what serving engines accept
 P = 9  # block anchor of the export comparison
 
@@ -49,13 +51,13 @@ def _prompt(target, seed=2, T=12):
 def test_a_few_steps_lower_every_term(tiny_llama):
     t = tiny_llama
     torch.manual_seed(0)
-    samples = random_samples(t, n=4, T=32, seed=3)
+    samples = random_samples(t, n=2, T=24, seed=3)
     batch = {"input_ids": torch.stack([s["input_ids"] for s in samples]), "loss_mask": torch.stack([s["loss_mask"] for s in samples])}
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     d = _drafter(t, vd=64, perturb=False).train()
     hidden = t(batch["input_ids"], layers=d.capture_layers, logits=None).hidden
     batch.update(d.derived_targets(hidden, batch))
-    cfg = DSparkLoss(anchors=12, l1_weight=0.5)
+    cfg = DSparkLoss(anchors=8, l1_weight=0.5)
 
     def evaluate():
         torch.manual_seed(7)  # the same anchors each time
@@ -65,7 +67,7 @@ def test_a_few_steps_lower_every_term(tiny_llama):
 
     before = evaluate()
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
-    for _ in range(25):
+    for _ in range(12):
         loss, _ = d.training_loss(batch, hidden, cfg)
         opt.zero_grad()
         loss.backward()
@@ -202,16 +204,14 @@ def test_speculators_dspark_loads_the_export_strictly_with_equal_logits(vd, made
 
 
 @pytest.mark.parametrize("vd", [0, 64])
-def test_round_trip_is_bit_exact_and_drafts_the_same(vd, made, tiny_llama, tmp_path):
+def test_round_trip_is_bit_exact(vd, made, tiny_llama, tmp_path):
     d, c, out = made[vd]
     back = import_checkpoint(out, "speculators-dspark", tmp_path / "imported", tiny_llama)
     d2, meta = ckpt.load_drafter(back, tiny_llama)
     assert meta["algorithm"] == "dspark"
     ref = d.export_state_dict()
     assert all(torch.equal(v, d2.state_dict()[k]) for k, v in ref.items())
-    prompt = _prompt(tiny_llama)
-    runs = [SpeculativeDecoder(tiny_llama, load_proposer(x, tiny_llama, Block(3, 0.3))).generate(prompt, 8, Block(3, 0.3)) for x in (c, back)]
-    assert runs[0].tokens == runs[1].tokens and runs[0].num_drafted == runs[1].num_drafted
+    assert load_proposer(back, tiny_llama, Block(3, 0.3)).name == "dspark"
 
 
 def test_sglang_takes_the_same_layout(made, tiny_llama, tmp_path):
