@@ -48,8 +48,10 @@ DFlash weight loader (reduced-vocabulary ``d2t`` handling included) was not read
 
 from __future__ import annotations
 
+import torch
+
 from draftlab.errors import DraftlabError
-from draftlab.export.check import PeerProposer
+from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.formats import ExportOptions, Format, layer_config, register, serving_aux_ids, shape_from_config, speculators_config, vocab_maps
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
@@ -233,10 +235,6 @@ class SpeculatorsDFlashPeer(PeerProposer):
         self.model, self.aux, self.mask, self.G = m.float().eval(), list(cfg.aux_hidden_state_layer_ids), cfg.mask_token_id, cfg.block_size
 
     def draft(self, k):
-        import torch
-
-        from draftlab.export.check import max_diff
-
         m, N, G = self.model, self.ids.numel() - 1, self.G
         block = torch.full((1, G), self.mask, dtype=torch.long)
         block[0, 0] = self.ids[-1]
@@ -300,6 +298,17 @@ class ZlabDFlash(Format):
             "with the target's embedding and read out with the target's lm_head (no such tensors here).",
         ]
 
+    # ---- served equals trained (export/check.py) ------------------------------------
+    def detect(self, config):
+        return "dflash_config" in config and "speculators_model_type" not in config
+
+    def peer_proposer(self, out, config, drafter, target):
+        try:
+            from specforge.modeling.draft import dflash as specforge_dflash
+        except ImportError:
+            return None
+        return SpecForgeDFlashPeer(out, config, drafter, target, specforge_dflash)
+
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "z-lab dflash config.json"
@@ -326,6 +335,46 @@ class ZlabDFlash(Format):
             raise DraftlabError(f"{where}: missing dflash_config.target_layer_ids (a list of layer ids)")
         vocab_maps(tensors, V, V, where)
         return _meta(shape, cfg, target, V, [i + 1 for i in ids], block_size, mask, where, "dflash_config.target_layer_ids (+1)")
+
+
+class SpecForgeDFlashPeer(PeerProposer):
+    """Drafts with SpecForge 0.2.0's z-lab ``DFlashDraftModel`` (the layout SGLang loads) built from
+    the export's config.json, weights loaded strictly: its ``forward`` over the block
+    ``[last, MASK...]`` embedded with the target's embedding, the context read as z-lab reads it
+    (``extract_context_feature``: HF ``hidden_states[id + 1]``), the target's lm_head reading the
+    slots out."""
+
+    peer = "SpecForge DFlashDraftModel"
+    shapes = frozenset({"block"})
+
+    def __init__(self, out, config, drafter, target, module):
+        from transformers import Qwen3Config
+
+        from draftlab.checkpoint import read_weights
+
+        cfg = Qwen3Config(**config)
+        cfg._attn_implementation = "eager"
+        m = module.DFlashDraftModel(cfg)
+        super().__init__(sorted({i + 1 for i in m.target_layer_ids} | set(drafter.capture_layers)), drafter)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: SpecForge's DFlashDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.extract, self.target = m.float().eval(), module.extract_context_feature, target
+        self.mask, self.G = config["dflash_config"]["mask_token_id"], config["block_size"]
+
+    def draft(self, k):
+        m, t, N, G = self.model, self.target, self.ids.numel() - 1, self.G
+        block = torch.full((1, G), self.mask, dtype=torch.long)
+        block[0, 0] = self.ids[-1]
+        ctx = self.extract(self.hidden, m.target_layer_ids)  # indexed as HF's hidden_states tuple
+        h = m(position_ids=torch.arange(N + G)[None], noise_embedding=t.embed_tokens(block).float(), target_hidden=ctx)
+        logits = t.lm_head(h).float()[0, 1 : 1 + k]
+        d = self.drafter
+        kv = d.context_kv(d.context(self.hidden), torch.arange(N)[None])
+        ours = d.blocks(d.block_ids(self.ids[-1:]), torch.arange(N, N + G)[None], kv, torch.ones(1, G, N + G, dtype=torch.bool))[0, 1 : 1 + k]
+        return logits.argmax(-1).tolist(), [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 register(SpeculatorsDFlash())

@@ -141,7 +141,8 @@ def test_edited_tensor_is_named(eagle31, tiny_llama, data, tmp_path):
 PEERS = {"sglang": ("specforge.modeling.draft.llama3_eagle", "SpecForge LlamaForCausalLMEagle3"),
          "eagle1-sglang": ("eagle.model.cnets", "EAGLE cnets.Model"), "eagle1-vllm": ("eagle.model.cnets", "EAGLE cnets.Model"),
          "medusa-medusa": ("medusa.model.medusa_model", "medusa-llm MedusaModel"), "draft_lm-hf": ("transformers", "HF AutoModelForCausalLM"),
-         "diffusion-vllm": ("speculators.models.dflash", "speculators DFlashDraftModel")}
+         "diffusion-vllm": ("speculators.models.dflash", "speculators DFlashDraftModel"),
+         "diffusion-sglang": ("specforge.modeling.draft.dflash", "SpecForge DFlashDraftModel")}
 
 
 def _drafter(engine, target):
@@ -152,10 +153,11 @@ def _drafter(engine, target):
         return _eagle3(target, fc_norm=True)
     if engine == "medusa-medusa":  # medusa-llm repeats one ResBlock object per head: 1 block
         return _perturb(MedusaDrafter.build(MedusaConfig(num_heads=3, num_layers=1, draft_vocab_size=0), target, _samples(target)))
-    if engine == "diffusion-vllm":
+    if engine.startswith("diffusion"):  # z-lab's layout has the target's lm_head: full vocabulary
         from draftlab.models.diffusion import DiffusionConfig, DiffusionDrafter
 
-        cfg = DiffusionConfig(num_layers=1, block_size=4, draft_vocab_size=64, target_layers=[1, 3])
+        vd = 64 if engine == "diffusion-vllm" else 0
+        cfg = DiffusionConfig(num_layers=1, block_size=4, draft_vocab_size=vd, target_layers=[1, 3])
         return _perturb(DiffusionDrafter.build(cfg, target, _samples(target, T=40)))
     if engine == "draft_lm-hf":
         return DraftLM.build(DraftLMConfig(num_layers=1), target).eval()  # initialised from the target: it accepts
