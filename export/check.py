@@ -310,7 +310,7 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     from draftlab.inference.proposer import PROPOSERS
 
     out, checkpoint = Path(out), Path(checkpoint)
-    where = f"check {out}"
+    where = str(out)
     if not out.is_dir():
         raise DraftlabError(f"{where}: not a directory")
     config = read_config(out)
