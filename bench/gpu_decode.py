@@ -67,9 +67,10 @@ def _rows(prompts, B):
     return [prompts[i % len(prompts)].prompt_ids for i in range(B)]
 
 
-def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None) -> list[dict]:
+def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None, loop: str = "host") -> list[dict]:
     """ms/step and tok/s of plain decoding at each batch size (after one warm-up decoding);
-    ``graphs``: None (eager), "cuda" or "replay" (:class:`GraphedTarget`'s modes)."""
+    ``graphs``: None (eager), "cuda" or "replay" (:class:`GraphedTarget`'s modes); ``loop``: the
+    decoder's (host: a graph per forward; device: a graph per whole step)."""
     from draftlab.inference.decoder import Decoder
     from draftlab.inference.graphs import GraphedTarget
 
@@ -79,11 +80,11 @@ def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None) ->
     out = []
     for B in batch_sizes:
         rows = _rows(prompts, B)
-        dec = Decoder(model)
+        dec = Decoder(model, loop=loop)
         dec.generate(rows, min(steps, 8), None)  # warm-up: kernels compiled, graphs captured
         if target.device.type == "cuda":
             torch.cuda.synchronize()
-        if graphs == "cuda":
+        if graphs == "cuda" and loop == "host":
             model.replay_marks = []  # each replay's device time: a step's forward, without the host's share
         res = dec.generate(rows, steps, None)
         decode_s = res.total_time - res.prefill_time
@@ -93,7 +94,7 @@ def plain_speed(target, prompts, batch_sizes, steps: int, graphs: str | None) ->
             model.replay_marks = None
         out.append({"batch": B, "ms_per_step": 1e3 * decode_s / res.num_steps,
                     "tokens_per_s": res.num_tokens / decode_s, "steps": res.num_steps, **forward,
-                    **({"graphs_report": model.report()} if graphs else {})})
+                    **({"graphs_report": model.report()} if graphs and loop == "host" else {})})
     return out
 
 
@@ -270,7 +271,9 @@ def run(argv, args) -> int:
               "load_s": time.perf_counter() - t0, "steps": steps, "plain": [], "drafters": []}
     engines = (["fused"] if target.fused_decode else []) + ["reference"]  # the default engine first
     default_engine = engines[0]
-    graph_modes = ["cuda", None] if cuda else [None] + (["replay"] if args.replay_graphs else [])
+    # (graphs, loop): the device loop (a graph per whole step) is CUDA's default
+    graph_modes = [("cuda", "device"), ("cuda", "host"), (None, "host")] if cuda else \
+        [(None, "host")] + ([("replay", "host"), ("replay", "device")] if args.replay_graphs else [])
 
     def section(name: str, fn) -> None:
         """Run one part; a failure is recorded and the rest still runs (the JSON is rewritten after each)."""
@@ -282,10 +285,10 @@ def run(argv, args) -> int:
             print(f"  FAILED: {report['errors'][name]}", flush=True)
         write_json(args.out, report)
 
-    def plain(engine, mode):
+    def plain(engine, mode, loop):
         target.fused_decode = engine == "fused"
-        for row in plain_speed(target, prompts, batch_sizes, steps, mode):
-            report["plain"].append({"engine": engine, "graphs": mode or "eager", **row})
+        for row in plain_speed(target, prompts, batch_sizes, steps, mode, loop):
+            report["plain"].append({"engine": engine, "graphs": mode or "eager", "loop": loop, **row})
 
     def counts(engine):
         target.fused_decode = engine == "fused"
@@ -308,21 +311,21 @@ def run(argv, args) -> int:
         for label, ps in (("plain", None), ("oracle k=3", (oracle, Chain(3)))):
             print(f"\nhost time by op, {label}, batch 1, 32 graphed steps:\n{profile_steps(target, prompts, ps)}")
 
-    for mode in graph_modes:
-        section(f"plain decoding: {default_engine} layer, graphs {mode or 'off'}", lambda: plain(default_engine, mode))
+    for mode, loop in graph_modes:
+        section(f"plain decoding: {default_engine} layer, graphs {mode or 'off'}, {loop} loop", lambda: plain(default_engine, mode, loop))
     section(f"kernels and host reads per step: {default_engine} layer", lambda: counts(default_engine))
     if not args.no_drafters:
         section(f"drafters ({default_engine} layer{', CUDA graphs' if cuda else ''})", drafters)
     for engine in engines[1:]:
-        for mode in graph_modes:
-            section(f"plain decoding: {engine} layer, graphs {mode or 'off'}", lambda: plain(engine, mode))
+        for mode, loop in graph_modes:
+            section(f"plain decoding: {engine} layer, graphs {mode or 'off'}, {loop} loop", lambda: plain(engine, mode, loop))
         section(f"kernels and host reads per step: {engine} layer", lambda: counts(engine))
     report["engine"] = default_engine
     if args.profile and cuda:
         section("profiles", profiles)
     target.fused_decode = default_engine == "fused"
     print(f"\n{report['device']}, {report['dtype']}, torch {report['torch']}\n")
-    print(table(report["plain"], ["engine", "graphs", "batch", "ms_per_step", "forward_ms", "tokens_per_s"]))
+    print(table(report["plain"], ["engine", "graphs", "loop", "batch", "ms_per_step", "forward_ms", "tokens_per_s"]))
     counted = [e for e in engines if e in report.get("host_reads_per_step", {})]
     if counted:
         print(table([{"engine": e, "kernels_per_step": report["kernels_per_step"][e], **report["host_reads_per_step"][e]}

@@ -21,7 +21,6 @@ then decides near-ties differently (:mod:`~draftlab.inference.batch_eval` counts
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,62 +28,31 @@ import torch
 
 from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
-from draftlab.inference.metrics import AcceptanceStats
 from draftlab.inference.prefill import PromptCache, prefill
-from draftlab.inference.proposer import Branching, Proposer, RowProposers
+from draftlab.inference.proposer import Branching, DraftsOnDevice, Proposer, RowProposers
+from draftlab.inference.results import BatchResult, Clock, Emitter, GenerationResult, Stopwatch
 from draftlab.inference.sampling import Sampling
 from draftlab.inference.shapes import Block, Branch, Chain, ChainDraft, DraftTree, Shape, check_decoding, check_shape
+from draftlab.inference.spec_loop import device_steps
 from draftlab.inference.tree import ancestor_mask, validate_tree
 from draftlab.kernels import accept_chains, accept_trees
 
 
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # generated tokens (eos included when it stopped the generation)
-    accept_lengths: list[int] = field(default_factory=list)  # per step: drafts accepted (tree: depth)
-    num_drafted: list[int] = field(default_factory=list)  # per step: draft tokens / tree nodes verified
-    draft_depths: list[int] = field(default_factory=list)  # per step: longest acceptable run offered
-    draft_time: float = 0.0  # proposer (propose, advance), seconds
-    verify_time: float = 0.0  # the decoding loop but the proposer: target forwards, verification, roll-back
-    prefill_time: float = 0.0  # the target's forward over the prompt and the proposer's start
-    total_time: float = 0.0
-    stop_reason: str = "length"  # "length" or "eos"
-    num_steps: int = 0  # target forwards after the prefill
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.total_time if self.total_time > 0 else 0.0
-
-    def stats(self) -> AcceptanceStats:
-        s = AcceptanceStats()
-        s.add_many(self.accept_lengths, self.num_drafted, self.draft_depths)
-        return s
-
-
-@dataclass
-class BatchResult:
-    """One batch's generation: per-row results and the batch's time split."""
-
-    rows: list[GenerationResult]
-    prefill_time: float = 0.0  # the target's forwards over the prompts, and the proposers' start
-    draft_time: float = 0.0  # proposers: propose, advance
-    verify_time: float = 0.0  # target forwards after the prefill and the verify kernels
-    other_time: float = 0.0  # the rest of the decoding loop
-    total_time: float = 0.0
-    num_steps: int = 0  # batched target forwards after the prefill
-    draft_lengths: list[int] = field(default_factory=list)  # per step: the k drafted (0: a plain step)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.rows)
-
-
 class Decoder:
     """``Decoder(target, proposer).generate([ids, ...], max_new_tokens, shape=Chain(3))``;
-    ``Decoder(target)`` decodes plainly."""
+    ``Decoder(target)`` decodes plainly.
 
-    def __init__(self, target, proposer: Proposer | None = None, backend: str = "auto"):
-        self.target, self.proposer, self.backend = target, proposer, backend
+    ``loop``: "host" runs the stepwise loop below; "device" the whole step on the device
+    (:mod:`~draftlab.inference.spec_loop`: plain decoding, and chains of a proposer that
+    :class:`~draftlab.inference.proposer.DraftsOnDevice`); "auto" (default) the device loop on
+    CUDA where it applies, else the host loop."""
+
+    LOOPS = ("auto", "host", "device")
+
+    def __init__(self, target, proposer: Proposer | None = None, backend: str = "auto", loop: str = "auto"):
+        if loop not in self.LOOPS:
+            raise DraftlabError(f"loop must be one of {', '.join(self.LOOPS)}, got {loop!r}")
+        self.target, self.proposer, self.backend, self.loop = target, proposer, backend, loop
         self.layers = list(proposer.layers) if proposer is not None else []
 
     def generate(self, prompt_ids, max_new_tokens: int, shape: Shape | None = Chain(3), temperature: float = 0.0,
@@ -103,6 +71,11 @@ class Decoder:
         """:meth:`generate` as a generator that yields after each step and returns the
         :class:`BatchResult` (:func:`run_lockstep` steps several decodings in turn)."""
         shape = self._check(shape, draft_length, max_new_tokens, temperature, top_k, top_p)
+        if self._on_device(shape, draft_length):
+            eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
+            return (yield from device_steps(self.target, self.proposer, prompt_ids, max_new_tokens,
+                                            shape.k if shape is not None else 0, Sampling(temperature, top_k, top_p),
+                                            seed, eos, on_step, prompt_cache, self.backend))
         if self.target.device.type == "cuda":
             # (process-wide) cuDNN's attention builds an execution plan for each new shape, and decoding
             # makes new ones every step (a drafter's growing KV cache, each prompt's prefill)
@@ -151,6 +124,24 @@ class Decoder:
         if draft_length is not None and not isinstance(shape, (Chain, Block)):
             raise DraftlabError(f"a draft-length rule applies to chain and block shapes, not {shape.method}")
         return shape
+
+    def _on_device(self, shape, draft_length) -> bool:
+        """Whether this decoding runs the device loop (``loop``), or why it cannot."""
+        if self.loop == "host" or (self.loop == "auto" and self.target.device.type != "cuda"):
+            return False
+        why = None
+        if self.proposer is not None:
+            if not isinstance(self.proposer, DraftsOnDevice):
+                why = f"proposer '{self.proposer.name}' does not draft on the device"
+            elif not isinstance(shape, (Chain, Block)) or shape.min_confidence:
+                why = "it decodes chains and blocks of a fixed k"
+            elif draft_length is not None:
+                why = "a draft-length rule changes k between steps"
+            else:
+                why = self.proposer.refuses_on_device(shape)
+        if why is not None and self.loop == "device":
+            raise DraftlabError(f"the device loop cannot run this decoding: {why}")
+        return why is None
 
     def _catch_up(self, proposers, batch: _Batch) -> None:
         """Advance each row's proposer by every step it kept since its last draft, as one
@@ -336,8 +327,8 @@ class _Run:
     def __init__(self, dec: Decoder, prompt_ids, max_new_tokens, shape, temperature, top_k, top_p, seed,
                  eos_token_id, on_step, prompt_cache):
         target, device = dec.target, dec.target.device
-        self.clock = _Clock(device)
-        self.draft, self.verify = _Stopwatch(self.clock), _Stopwatch(self.clock)
+        self.clock = Clock(device)
+        self.draft, self.verify = Stopwatch(self.clock), Stopwatch(self.clock)
         self.t0 = self.clock()
         prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(device) for p in prompt_ids]
         if not prompts or any(p.numel() == 0 for p in prompts):
@@ -424,7 +415,7 @@ class _Batch:
         self.track_unread = track_unread
         self.rows = list(range(n))
         self.slots = list(slots)  # cache row of each active row
-        self.emitters = [_Emitter(max_new_tokens, eos, on_step and (lambda t, r=r: on_step(r, t))) for r in range(n)]
+        self.emitters = [Emitter(max_new_tokens, eos, on_step and (lambda t, r=r: on_step(r, t))) for r in range(n)]
         self.last: list[int] = [0] * n
         self.stats = [([], [], []) for _ in range(n)]  # per row: accepted, drafted, depth per step
         self.unread: list[list[tuple[_Verified, int]]] = [[] for _ in range(n)]  # per active row
@@ -468,31 +459,6 @@ class _Batch:
         for s, n in zip(self.slots, kept):
             lengths[s] = past[s] + n
         cache.crop(lengths)
-
-
-class _Emitter:
-    """Collects emitted tokens; applies max_new_tokens and eos (truncating within a step) and
-    streams what it kept to ``on_step``."""
-
-    def __init__(self, max_new_tokens: int, eos: frozenset[int], on_step=None):
-        self.tokens: list[int] = []
-        self.max_new_tokens, self.eos, self.on_step = max_new_tokens, eos, on_step
-        self.stop_reason: str | None = None
-
-    def emit(self, new: list[int]) -> bool:
-        """Append ``new``; True once generation is over."""
-        before = len(self.tokens)
-        for t in new:
-            self.tokens.append(t)
-            if t in self.eos:
-                self.stop_reason = "eos"
-                break
-            if len(self.tokens) >= self.max_new_tokens:
-                self.stop_reason = "length"
-                break
-        if self.on_step is not None:
-            self.on_step(self.tokens[before:])
-        return self.stop_reason is not None
 
 
 # ---------------------------------------------------------------------- shared pieces
@@ -553,57 +519,6 @@ def _cache_slots(prompts) -> list[int]:
     for s, r in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r].numel())):
         slots[r] = s
     return slots
-
-
-class _Clock:
-    """Marks on one decoding's timeline and the seconds between them, less the time its decoding
-    spent suspended between steps (:func:`run_lockstep`). On CUDA a mark is an event recorded on
-    the stream, read once the decoding ends: timing never makes the host wait for the device.
-    Elsewhere it is ``perf_counter``."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.suspended: list[tuple] = []  # (mark, mark) spans between steps
-
-    def __call__(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, a, b) -> float:
-        """Seconds from mark ``a`` to mark ``b`` (on CUDA: waits for ``b``)."""
-        if not self.cuda:
-            return b - a
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
-
-    def pause(self):
-        """Yield between two steps; the time until resumed is other decodings', not this one's."""
-        t = self()
-        yield
-        self.suspended.append((t, self()))
-
-    def total(self, spans) -> float:
-        return sum(self.seconds(a, b) for a, b in spans)
-
-
-class _Stopwatch:
-    """Times the calls made through it on ``clock``."""
-
-    def __init__(self, clock: _Clock):
-        self.clock, self.spans = clock, []
-
-    def __call__(self, fn, *args, **kw):
-        t0 = self.clock()
-        out = fn(*args, **kw)
-        self.spans.append((t0, self.clock()))
-        return out
-
-    @property
-    def seconds(self) -> float:
-        return self.clock.total(self.spans)
 
 
 def run_lockstep(decodings) -> list:

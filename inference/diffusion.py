@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, Proposer, RowProposers, draft_vocab_size
+from draftlab.inference.proposer import PROPOSERS, DraftsOnDevice, Proposer, RowProposers, draft_vocab_size
 from draftlab.inference.shapes import Block, ChainDraft, OptionError
+from draftlab.inference.spec_loop import DeviceDrafter
 from draftlab.kernels.cpu_gemm import decoding_copy
 
 
 @PROPOSERS.register("diffusion")
-class DiffusionProposer(Proposer):
+class DiffusionProposer(Proposer, DraftsOnDevice):
     shapes = frozenset({"block"})
 
     def __init__(self, drafter, trained_depth: int | None = None):
@@ -80,6 +81,20 @@ class DiffusionProposer(Proposer):
         with heads over the states, DSpark's, drafts differently from the same block)."""
         return self.draft(self.drafter.readout(states))
 
+    def refuses_on_device(self, shape) -> str | None:
+        if type(self).draft_block is not DiffusionProposer.draft_block and type(self).device_block is DiffusionProposer.device_block:
+            return f"proposer '{self.name}' drafts its blocks on the host only"
+        most = self.drafter.block_size - 1
+        return f"k={shape.k}: this drafter drafts {most} tokens a block" if shape.k > most else None
+
+    def on_device(self, rows: int, room: int, k: int) -> "DiffusionOnDevice":
+        return DiffusionOnDevice(self, rows, room)
+
+    def device_block(self, states: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts Long[b, k] (target ids) from the states [b, k, H] of every row's block:
+        :meth:`draft_block` as tensor ops over rows (a family drafting otherwise overrides both)."""
+        return self.drafter.to_target_ids(self.drafter.readout(states).max(-1).indices)
+
     def batched(self, n: int, shape) -> RowProposers:
         """Every row's block from one drafter forward (:class:`DiffusionRows`)."""
         return DiffusionRows(self, n)
@@ -126,3 +141,59 @@ class DiffusionRows(RowProposers):
         mask = (span < torch.tensor(lengths, device=dev)[:, None]) | (span >= S)  # own context, whole block
         states = d.block_states(ids, positions, kv, mask[:, None].expand(-1, G, -1))[:, 1 : 1 + shape.k]
         return [p.draft_block(states[b], shape) for b, p in enumerate(rows)]
+
+
+class DiffusionOnDevice(DeviceDrafter):
+    """Every row's context K/V in static buffers written at the row's length; a step drafts all
+    rows' blocks in one drafter forward over them (the device loop's drafter). Drafts are greedy
+    point masses, also when the decoding samples (lossless either way)."""
+
+    def __init__(self, proposer: DiffusionProposer, rows: int, room: int):
+        self.drafter = d = proposer.drafter
+        self.family = proposer
+        p = next(d.parameters())
+        a = d.layers[0].self_attn
+        shape = (len(d.layers), rows, a.num_kv_heads, room, a.head_dim)
+        self.k, self.v = torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=p.device)  # context positions of each row
+        self.last = torch.zeros(rows, dtype=torch.long, device=p.device)
+
+    def _write(self, rows: slice, hidden, lengths) -> None:
+        d = self.drafter
+        ctx = d.context(hidden)
+        T = ctx.shape[1]
+        positions = lengths + torch.arange(T, device=ctx.device)
+        index = positions[:, None, :, None]
+        for i, (k, v) in enumerate(d.context_kv(ctx, positions)):
+            self.k[i, rows].scatter_(2, index.expand_as(k), k.to(self.k.dtype))
+            self.v[i, rows].scatter_(2, index.expand_as(v), v.to(self.v.dtype))
+
+    @torch.no_grad()
+    def start(self, row, prompt_ids, hidden, next_token) -> None:
+        rows = slice(row, row + 1)
+        self.lengths[rows] = 0
+        self._write(rows, hidden, self.lengths[rows])
+        self.lengths[rows] = prompt_ids.numel()
+        self.last[row] = next_token
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        d, dev = self.drafter, self.k.device
+        G, S = d.block_size, self.k.shape[3]
+        ids = d.block_ids(self.last[:b])
+        positions = self.lengths[:b] + torch.arange(G, device=dev)
+        seen = torch.arange(S, device=dev)[None] < self.lengths[:b]  # [b, S]: each row's context
+        mask = torch.cat([seen, seen.new_ones(b, G)], 1)[:, None].expand(b, G, S + G)
+        kv = [(self.k[i, :b], self.v[i, :b]) for i in range(self.k.shape[0])]
+        return self.family.device_block(d.block_states(ids, positions, kv, mask)[:, 1 : k + 1])
+
+    def extend(self, b, tokens, hidden, counts) -> None:
+        self._write(slice(0, b), hidden, self.lengths[:b])
+        self.last[:b] = tokens[torch.arange(b, device=tokens.device), (counts - 1).clamp(min=0)]
+        self.lengths[:b] += counts[:, None]
+
+    def select(self, index) -> None:
+        n = index.numel()
+        for buf in (self.k, self.v):
+            buf[:, :n] = buf[:, index]
+        for t in (self.lengths, self.last):
+            t[:n] = t[index]

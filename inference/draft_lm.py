@@ -24,17 +24,18 @@ import math
 
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, BatchProposer, OwnModel, RowProposers, draft_vocab_size
+from draftlab.inference.proposer import PROPOSERS, BatchProposer, DraftsOnDevice, OwnModel, RowProposers, draft_vocab_size
 from draftlab.inference.sampling import Sampling
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree, StaticTree
-from draftlab.models.target import Target
+from draftlab.inference.spec_loop import DeviceDrafter
+from draftlab.models.target import RaggedKVCache, Target
 
 # Cache slots allocated beyond the longest prompt; the cache doubles when a row needs more.
 ROOM = 256
 
 
 @PROPOSERS.register("draft_lm")
-class DraftLMProposer(BatchProposer, OwnModel):
+class DraftLMProposer(BatchProposer, OwnModel, DraftsOnDevice):
     shapes = frozenset({"chain", "dynamic_tree", "static_tree"})
     layers = ()  # drafts from tokens alone
 
@@ -52,6 +53,9 @@ class DraftLMProposer(BatchProposer, OwnModel):
     def rows(self, n: int) -> RowProposers:
         """Every row's drafts from one draft-LM forward per draft position (:class:`DraftLMRows`)."""
         return DraftLMRows(self, n)
+
+    def on_device(self, rows: int, room: int, k: int) -> "DraftLMOnDevice":
+        return DraftLMOnDevice(getattr(self.lm, "target", self.lm), rows, room)
 
 
 class DraftLMRows(RowProposers):
@@ -335,3 +339,52 @@ class _StaticTreeRow(_TreeRow):
     def draft(self, device) -> DraftTree:
         return DraftTree(torch.tensor(self.tok, dtype=torch.long, device=device), self.shape.parents.to(device),
                          self.shape.depth.to(device))
+
+
+class DraftLMOnDevice(DeviceDrafter):
+    """Greedy chains of every row over a static draft-LM cache written at each row's length (the
+    device loop's drafter): drafting writes speculative slots past a row's length, the next
+    ``extend`` overwrites them with the kept tokens. Drafts are argmax tokens, point masses, also
+    when the decoding samples (lossless either way)."""
+
+    def __init__(self, lm: Target, rows: int, room: int):
+        self.lm = lm
+        self.cache = lm.new_cache(rows, room, static=True)
+        self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=lm.device)
+        self.logits = None  # [rows, V]: each row's next-token logits, from the first start
+
+    def _hidden(self, b: int, ids, lengths) -> torch.Tensor:
+        cache = RaggedKVCache(self.cache.k[:, :b], self.cache.v[:, :b], [], static=True)
+        S, L = cache.max_len, self.lm.num_layers
+        step = RaggedKVCache.layout(lengths, ids.shape[1], None, None, S, [(0, b, S)])
+        return self.lm.forward_step(ids, cache, step, layers=[L], logits=None).hidden[L]
+
+    @torch.no_grad()
+    def start(self, row, prompt_ids, hidden, next_token) -> None:
+        ids = torch.cat([prompt_ids.reshape(-1), next_token.reshape(1)])[None]
+        out = self.lm(ids, cache=self.cache.row(row), logits="last")
+        if self.logits is None:
+            self.logits = out.logits.new_zeros(self.cache.batch_size, out.logits.shape[-1])
+        self.logits[row] = out.logits[0, -1]
+        self.lengths[row] = ids.shape[1]
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        tok = self.logits[:b].max(-1).indices
+        out = [tok]
+        for j in range(1, k):
+            h = self._hidden(b, tok[:, None], self.lengths[:b] + j - 1)
+            tok = self.lm.shared_lm_head(h[:, -1]).max(-1).indices
+            out.append(tok)
+        return torch.stack(out, 1)
+
+    def extend(self, b, tokens, hidden, counts) -> None:
+        h = self._hidden(b, tokens, self.lengths[:b])
+        self.logits[:b] = self.lm.shared_lm_head(h[torch.arange(b, device=h.device), (counts - 1).clamp(min=0)])
+        self.lengths[:b] += counts[:, None]
+
+    def select(self, index) -> None:
+        n = index.numel()
+        for buf in (self.cache.k, self.cache.v):
+            buf[:, :n] = buf[:, index]
+        for t in (self.lengths, self.logits):
+            t[:n] = t[index]

@@ -15,13 +15,15 @@ import math
 
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, Proposer, RowProposers, draft_vocab_size
+from draftlab.inference.proposer import PROPOSERS, DraftsOnDevice, Proposer, RowProposers, draft_vocab_size
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree, StaticTree, check_decoding
+from draftlab.inference.spec_loop import DeviceDrafter
 from draftlab.kernels.cpu_gemm import decoding_copy
+from draftlab.models.target import RaggedKVCache
 
 
 @PROPOSERS.register("eagle1", "eagle3")
-class EagleProposer(Proposer):
+class EagleProposer(Proposer, DraftsOnDevice):
     shapes = frozenset({"chain", "dynamic_tree", "static_tree"})
 
     def __init__(self, drafter, trained_depth: int | None = None):
@@ -36,6 +38,9 @@ class EagleProposer(Proposer):
         """Chains of every row from one drafter forward per draft position (:class:`EagleChains`);
         trees row by row."""
         return EagleChains(self, n) if isinstance(shape, Chain) else super().batched(n, shape)
+
+    def on_device(self, rows: int, room: int, k: int) -> "EagleOnDevice":
+        return EagleOnDevice(self.drafter, rows, room)
 
     def propose(self, shape):
         if isinstance(shape, Chain):
@@ -349,3 +354,74 @@ class EagleChains(RowProposers):
         self.last_h, self.last_logits = self.last_h.index_select(0, index), self.last_logits.index_select(0, index)
         self.pos = [self.pos[r] for r in rows]
         self.n = len(rows)
+
+
+class EagleOnDevice(DeviceDrafter):
+    """EAGLE chains of every row over a static drafter cache written at each row's own length
+    (the device loop's drafter): drafting writes speculative positions past a row's length and
+    the next ``extend`` overwrites them with the kept tokens and the target's features, as
+    :class:`EagleChains` does by cropping."""
+
+    def __init__(self, drafter, rows: int, room: int):
+        d = self.drafter = drafter
+        p = next(d.parameters())
+        shape = (len(d.layers), rows, d.shape.num_key_value_heads, room, d.shape.head_dim)
+        self.k, self.v = torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=p.device)
+        self.last_h = torch.zeros(rows, 1, d.shape.hidden_size, dtype=p.dtype, device=p.device)
+        self.last_logits = None  # [rows, V_draft], from the first start
+
+    def _forward(self, rows: slice, tokens, feats, lengths) -> torch.Tensor:
+        """The drafter over ``tokens`` [b, T] of cache rows ``rows``, written at ``lengths`` [b, 1]."""
+        cache = RaggedKVCache(self.k[:, rows], self.v[:, rows], [], static=True)
+        S = cache.max_len
+        step = RaggedKVCache.layout(lengths, tokens.shape[1], None, None, S, [(0, tokens.shape[0], S)])
+
+        def attend_for_layer(i, attn):
+            def attend(q, k, v):
+                (_, _, ks, vs), = cache.update(i, k, v, step)
+                return attn.attend(q, ks, vs, mask=step.mask)
+
+            return attend
+
+        d = self.drafter
+        return d.stack(d.embed(tokens), feats, step.positions, attend_for_layer)
+
+    @torch.no_grad()
+    def start(self, row, prompt_ids, hidden, next_token) -> None:
+        # position t pairs token x_{t+1} with the target feature f_t, as EagleProposer.start
+        tokens = torch.cat([prompt_ids.reshape(-1)[1:], next_token.reshape(1)])[None]
+        rows = slice(row, row + 1)
+        self.lengths[rows] = 0
+        h = self._forward(rows, tokens, self.drafter.features(hidden), self.lengths[rows])
+        logits = self.drafter.head(h[:, -1])
+        if self.last_logits is None:
+            self.last_logits = logits.new_zeros(self.k.shape[1], logits.shape[-1])
+        self.last_h[rows], self.last_logits[rows] = h[:, -1:], logits
+        self.lengths[rows] = tokens.shape[1]
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        d, rows = self.drafter, slice(0, b)
+        h, logits, out = self.last_h[rows], self.last_logits[rows], []
+        for j in range(k):
+            tok = d.to_target_ids(logits.max(-1).indices)
+            out.append(tok)
+            if j + 1 < k:
+                h = self._forward(rows, tok[:, None], h, self.lengths[rows] + j)
+                logits = d.head(h[:, -1])
+        return torch.stack(out, 1)
+
+    def extend(self, b, tokens, hidden, counts) -> None:
+        d, rows = self.drafter, slice(0, b)
+        h = self._forward(rows, tokens, d.features(hidden), self.lengths[rows])
+        last = h[torch.arange(b, device=h.device), (counts - 1).clamp(min=0)]
+        self.last_h[rows, 0] = last
+        self.last_logits[rows] = d.head(last)
+        self.lengths[rows] += counts[:, None]
+
+    def select(self, index) -> None:
+        n = index.numel()
+        for buf in (self.k, self.v):
+            buf[:, :n] = buf[:, index]
+        for t in (self.lengths, self.last_h, self.last_logits):
+            t[:n] = t[index]

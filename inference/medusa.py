@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, Proposer, RowProposers, draft_vocab_size
+from draftlab.inference.proposer import PROPOSERS, DraftsOnDevice, Proposer, RowProposers, draft_vocab_size
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, OptionError, StaticTree, check_decoding
+from draftlab.inference.spec_loop import DeviceDrafter
 from draftlab.kernels.cpu_gemm import decoding_copy
 
 
 @PROPOSERS.register("medusa")
-class MedusaProposer(Proposer):
+class MedusaProposer(Proposer, DraftsOnDevice):
     shapes = frozenset({"chain", "static_tree"})
 
     def __init__(self, drafter, trained_depth: int | None = None):
@@ -41,6 +42,13 @@ class MedusaProposer(Proposer):
 
     def propose(self, shape: Chain | StaticTree) -> ChainDraft | DraftTree:
         return self.draft(self.last, shape)[0]
+
+    def refuses_on_device(self, shape) -> str | None:
+        heads = self.drafter.num_heads
+        return f"k={shape.k}: its {heads} Medusa heads draft {heads} tokens a step" if shape.k > heads else None
+
+    def on_device(self, rows: int, room: int, k: int) -> "MedusaOnDevice":
+        return MedusaOnDevice(self.drafter, rows)
 
     def batched(self, n: int, shape) -> RowProposers:
         """Every row's drafts from one pass of each head over all rows' states (:class:`MedusaRows`)."""
@@ -99,3 +107,28 @@ class MedusaRows(RowProposers):
 
     def propose(self, shape: Chain | StaticTree) -> list[ChainDraft | DraftTree]:
         return self.proposer.draft(torch.cat([p.last for p in self.rows]), shape)
+
+
+class MedusaOnDevice(DeviceDrafter):
+    """Each row's last kept hidden state in a static buffer; a chain is the heads' top-1 over it."""
+
+    def __init__(self, drafter, rows: int):
+        self.drafter, self.rows = drafter, rows
+        self.last = None  # [rows, H], from the first start
+
+    def start(self, row, prompt_ids, hidden, next_token) -> None:
+        h = hidden[self.drafter.num_target_layers][0, -1]
+        if self.last is None:
+            self.last = h.new_zeros(self.rows, h.shape[-1])
+        self.last[row] = h
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        d = self.drafter
+        return torch.stack([d.to_target_ids(d.head_logits(self.last[:b], i).max(-1).indices) for i in range(k)], 1)
+
+    def extend(self, b, tokens, hidden, counts) -> None:
+        h = hidden[self.drafter.num_target_layers]
+        self.last[:b] = h[torch.arange(b, device=h.device), (counts - 1).clamp(min=0)]
+
+    def select(self, index) -> None:
+        self.last[: index.numel()] = self.last[index]

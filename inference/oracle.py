@@ -14,12 +14,13 @@ import torch
 
 from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import FREE_DRAFTERS, PreparesPrompts, Proposer
+from draftlab.inference.proposer import FREE_DRAFTERS, DraftsOnDevice, PreparesPrompts, Proposer
 from draftlab.inference.shapes import Chain, ChainDraft
+from draftlab.inference.spec_loop import DeviceDrafter
 
 
 @FREE_DRAFTERS.register("oracle")
-class OracleProposer(Proposer, PreparesPrompts):
+class OracleProposer(Proposer, PreparesPrompts, DraftsOnDevice):
     """Options: ``max_new_tokens`` (the continuation decoded for a prompt met unprepared)."""
 
     name = "oracle"
@@ -60,10 +61,7 @@ class OracleProposer(Proposer, PreparesPrompts):
                 self._continuations[p] = res.rows[0].tokens
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict, next_token: int) -> None:
-        key = _key(prompt_ids)
-        if key not in self._continuations:
-            self.prepare(self.target, [key], self.max_new_tokens)
-        self._future = self._continuations[key]
+        self._future = self.continuation(prompt_ids)
         self._n = 0
         self._on_track = True
         self._emit([int(next_token)])
@@ -75,10 +73,51 @@ class OracleProposer(Proposer, PreparesPrompts):
         draft = self._future[self._n : self._n + shape.k] if self._on_track else []
         return ChainDraft(device_ints(draft, self.target.device))
 
+    def on_device(self, rows: int, room: int, k: int) -> "OracleOnDevice":
+        return OracleOnDevice(self, rows, room)
+
+    def remember(self, prompt_ids, tokens: list[int]) -> None:
+        """Take ``tokens`` as the prompt's greedy continuation (a plain decoding already made it)."""
+        self._continuations[_key(prompt_ids)] = list(tokens)
+
+    def continuation(self, prompt_ids) -> list[int]:
+        key = _key(prompt_ids)
+        if key not in self._continuations:
+            self.prepare(self.target, [key], self.max_new_tokens)
+        return self._continuations[key]
+
     def _emit(self, tokens: list[int]) -> None:
         # a row whose tokens left the continuation (a near-tie decided otherwise in a batch) drafts nothing
         self._on_track = self._on_track and tokens == self._future[self._n : self._n + len(tokens)]
         self._n += len(tokens)
+
+
+class OracleOnDevice(DeviceDrafter):
+    """Each row's continuation in a table; a row drafts the k tokens after those it emitted (a
+    row that left the continuation drafts it anyway: verification rejects what does not follow)."""
+
+    def __init__(self, oracle: OracleProposer, rows: int, room: int):
+        dev = oracle.target.device
+        self.oracle = oracle
+        self.table = torch.zeros(rows, room, dtype=torch.long, device=dev)
+        self.emitted = torch.zeros(rows, dtype=torch.long, device=dev)
+
+    def start(self, row, prompt_ids, hidden, next_token) -> None:
+        future = self.oracle.continuation(prompt_ids)[: self.table.shape[1]]
+        self.table[row] = 0
+        self.table[row, : len(future)] = device_ints(future, self.table.device)
+        self.emitted[row] = 1
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        at = self.emitted[:b, None] + torch.arange(k, device=self.table.device)
+        return self.table[:b].gather(1, at.clamp(max=self.table.shape[1] - 1))
+
+    def extend(self, b, tokens, hidden, counts) -> None:
+        self.emitted[:b] += counts
+
+    def select(self, index) -> None:
+        for t in (self.table, self.emitted):
+            t[: index.numel()] = t[index]
 
 
 def _key(prompt) -> tuple[int, ...]:

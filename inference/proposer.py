@@ -45,7 +45,10 @@ from, which the decoder and the harness test with ``isinstance``; the base class
 - :class:`DraftsWithTarget`: the family drafts with the target itself (layer skipping):
   ``use_target(steps)`` before ``start``, relayed by :meth:`RowProposers.use_target`;
 - :class:`Branching`: its drafts carry a ``Branch`` of at most ``branch_inputs`` inputs
-  (Jacobi lookahead), for which the decoder reserves room in the target's cache.
+  (Jacobi lookahead), for which the decoder reserves room in the target's cache;
+- :class:`DraftsOnDevice`: its chains are drafted by tensor ops over static buffers
+  (``on_device``), so a whole speculative step runs on the device as one graph
+  (:mod:`~draftlab.inference.spec_loop`).
 
 A draft may carry a :class:`~draftlab.inference.shapes.Branch`: inputs the verify forward also runs, whose logits go back
 to the proposer (Jacobi lookahead drafts its next guesses so, in the forward that verifies these).
@@ -183,6 +186,21 @@ class Branching:
 
     branch_inputs: int
 
+
+
+class DraftsOnDevice(ABC):
+    """A proposer whose chain drafts are tensor ops over static buffers: the device loop
+    (:mod:`~draftlab.inference.spec_loop`) drafts, verifies, accepts and extends it in one graph."""
+
+    def refuses_on_device(self, shape) -> str | None:
+        """Why this decoding's drafts cannot run on the device (then the host loop runs them),
+        or None."""
+        return None
+
+    @abstractmethod
+    def on_device(self, rows: int, room: int, k: int):
+        """A :class:`~draftlab.inference.spec_loop.DeviceDrafter` for ``rows`` rows of up to
+        ``room`` positions each, drafting chains of ``k``."""
 
 # ---------------------------------------------------------------------- the rows of a batch
 class RowProposers:

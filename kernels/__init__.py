@@ -73,6 +73,7 @@ from draftlab.kernels import reference
 
 __all__ = [
     "accept_chains",
+    "accept_fixed_chains",
     "accept_trees",
     "chain_verify_greedy",
     "chain_verify_sampling",
@@ -318,6 +319,27 @@ def accept_chains(drafts, target_logits, sampling, draft_probs=None, backend: st
     read = torch.cat([num[:, None], out], 1).tolist()  # the step's one read of the device
     return [row[1 : row[0] + 2] for row in read], [row[0] for row in read]
 
+
+
+def accept_fixed_chains(drafts, target_logits, sampling, draft_probs=None, backend: str = "auto"):
+    """Verify B chains of k drafts each with no host read (a captured step's accept):
+    ``drafts`` Long[B, k], ``target_logits`` [B, k + 1, V] (the target after each input of
+    ``[last, drafts...]``), ``draft_probs`` None (point masses) or [B, k, V]. Returns
+    (``out`` Long[B, k + 1]: row b's first ``num[b]`` entries are its accepted drafts, the next
+    its correction or bonus token; greedy fills the rest with the target's tokens, sampling
+    with -1; ``num`` Long[B]). Unchecked: the caller builds the layout."""
+    B, k = drafts.shape
+    V = target_logits.shape[-1]
+    if sampling.greedy:
+        top = target_logits.max(-1).indices  # the host loop's tie rule
+        return top, (drafts == top[:, :k]).long().cumprod(1).sum(1)
+    dev, gen = target_logits.device, sampling.generator
+    uniforms = torch.rand(B * k, dtype=torch.float64, device=dev, generator=gen)
+    noise = torch.empty(B * (k + 1), V, device=dev).exponential_(generator=gen)
+    cu = torch.arange(B + 1, device=dev) * k
+    q = None if draft_probs is None else draft_probs.reshape(B * k, V).float()
+    return _backend(backend, dev).chain_verify_sampling(drafts.reshape(-1), cu, sampling.probs(target_logits.reshape(-1, V)),
+                                                       q, uniforms, noise, k)
 
 
 def accept_trees(tokens, parents, target_logits, sampling, backend: str = "auto"):

@@ -1,0 +1,274 @@
+"""The speculative iteration on the device: draft, verify, accept, roll back and extend the
+drafter, as tensor ops over static buffers, one captured graph per batch bucket.
+
+:class:`~draftlab.inference.decoder.Decoder` runs its stepwise loop on the host: per-row lists,
+shapes that follow the rows, what a CPU wants. On a GPU that host work and the launches of a
+small model's kernels cost more than the forwards (BENCHMARKS.md, "GPU decoding"), so a chain
+decoding whose drafter drafts with tensor ops (:class:`~draftlab.inference.proposer.DraftsOnDevice`,
+or none: plain decoding) runs here instead, on CUDA by default (``Decoder(loop=...)``):
+
+- **State on the device**: each row's target cache length, last token and whether it still
+  decodes are tensors; the target's static KV cache and the drafter's
+  (:class:`DeviceDrafter`) are written in place at each row's length and rolled back by
+  setting lengths.
+- **One iteration, static shapes**: the drafter drafts k tokens per row, the target verifies
+  ``[last, d_1..d_k]`` of every row, acceptance (greedy, or rejection sampling with the seeded
+  generator) runs on the device, the accepted tokens advance the lengths and extend the drafter
+  at a fixed width k + 1. A row that finished rides along, masked (its lengths stay).
+- **One graph per batch bucket** (1, 2, 4, ...: a batch rounds up to one), captured before the
+  prefill, outside any timing, and kept for the next decoding of the same shape; rows move to
+  the front and the next smaller bucket takes over once it holds every row still decoding.
+  ``mode="replay"`` (``GraphedTarget(mode="replay")``) runs the same captured function again on
+  any device: on CPU it proves a step reads nothing but its buffers.
+- **One read per step**: the host reads each row's accepted count and tokens once, to emit them
+  and to stop rows at eos or their budget.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from collections import Counter
+
+import torch
+
+from draftlab.device import device_ints
+from draftlab.inference.prefill import prefill
+from draftlab.inference.results import BatchResult, Clock, Emitter, GenerationResult, Stopwatch
+from draftlab.inference.sampling import Sampling
+from draftlab.kernels import accept_fixed_chains
+from draftlab.models.target import CACHE_SLOT_MULTIPLE, RaggedKVCache
+
+# The slots of a loop's caches are a multiple of this: decodings of prompts of similar lengths
+# reuse one loop and its graphs (a graph binds its buffers' shapes).
+ROOM_MULTIPLE = 1024
+
+
+class DeviceDrafter(ABC):
+    """A drafter's per-decoding state in static buffers of ``rows`` rows, and its chain drafts as
+    tensor ops over them. ``b`` below is the bucket: the leading rows a step runs over."""
+
+    @abstractmethod
+    def start(self, row: int, prompt_ids: torch.Tensor, hidden: dict, next_token: torch.Tensor) -> None:
+        """After the prefill, eagerly: row ``row`` reads its prompt (``hidden``: the target's
+        hidden states of its positions, [1, T, H] per layer) and the target's first token."""
+
+    @abstractmethod
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        """Long[b, k]: each row's k draft tokens (target ids), from what it has read."""
+
+    @abstractmethod
+    def extend(self, b: int, tokens: torch.Tensor, hidden: dict, counts: torch.Tensor) -> None:
+        """Read what the step kept: ``tokens`` Long[b, W] (row r's first ``counts[r]``: the
+        accepted drafts then the correction or bonus token), ``hidden`` the target's hidden
+        states of the step's inputs ([b, W, H] per layer; input j is the one before token j)."""
+
+    @abstractmethod
+    def select(self, index: torch.Tensor) -> None:
+        """Move rows ``index`` (Long[n], device) to rows 0..n-1."""
+
+
+class SpecLoop:
+    """The static buffers and graphs of chain decodings of ``rows`` rows (a bucket), ``room``
+    slots, ``k`` drafts per step (0: plain decoding), one sampling setting. ``mode``: None
+    (eager), "cuda" or "replay"."""
+
+    def __init__(self, target, drafter: DeviceDrafter | None, rows: int, room: int, k: int, layers, sampling: Sampling,
+                 mode: str | None, backend: str = "auto"):
+        self.target, self.drafter, self.rows, self.k, self.mode, self.backend = target, drafter, rows, k, mode, backend
+        self.layers = tuple(layers)
+        dev = target.device
+        self.cache = target.new_cache(rows, room, static=True)
+        self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.last = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.result = torch.zeros(rows, k + 2, dtype=torch.long, device=dev)  # accepted count, then tokens
+        self.generator = torch.Generator(device=dev)
+        self.sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, self.generator)
+        self.buckets = [b for b in _buckets(rows)]
+        self._graphs: dict[int, object] = {}
+        self.stats: Counter = Counter()  # captured, replayed, eager; steps per bucket ("rows 4")
+        for b in self.buckets:  # before any prefill: capture's warm-up runs write the buffers
+            self._graphs[b] = self._capture(b)
+        self.lengths.zero_()
+
+    # ---- one iteration ------------------------------------------------------------------
+    def iteration(self, b: int) -> None:
+        """Rows 0..b-1: draft, verify, accept, roll back, extend; tensor ops only."""
+        k, lengths, last, active = self.k, self.lengths[:b], self.last[:b], self.active[:b]
+        drafts = self.drafter.draft(b, k) if k else last.new_zeros(b, 0)
+        ids = torch.cat([last[:, None], drafts], 1)
+        cache = RaggedKVCache(self.cache.k[:, :b], self.cache.v[:, :b], [0] * b, static=True)
+        S = cache.max_len
+        step = RaggedKVCache.layout(lengths, k + 1, None, None, S, [(0, b, S)])
+        out = self.target.forward_step(ids, cache, step, self.layers, "all")
+        emitted, n = accept_fixed_chains(drafts, out.logits, self.sampling, backend=self.backend)
+        kept = torch.where(active, n + 1, 0)
+        lengths += kept[:, None]
+        if self.drafter is not None:
+            self.drafter.extend(b, emitted.clamp(min=0), out.hidden, kept)
+        last.copy_(torch.where(active, emitted.gather(1, n[:, None])[:, 0], last))
+        self.result[:b, 0] = n
+        self.result[:b, 1:] = emitted
+
+    def step(self, b: int) -> list[list[int]]:
+        """Run one iteration over rows 0..b-1; each row's accepted count and tokens, read once."""
+        graph = self._graphs.get(b)
+        if graph is None:
+            self.iteration(b)
+            self.stats["eager"] += 1
+        else:
+            graph()
+            self.stats["replayed"] += 1
+        self.stats[f"rows {b}"] += 1
+        return self.result[:b].tolist()
+
+    def _capture(self, b: int):
+        if self.mode is None:
+            return None
+        self.stats["captured"] += 1
+        if self.mode == "replay":
+            return lambda: self.iteration(b)
+        # warm-up on a side stream (lazy library set-up happens outside the capture), then capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.iteration(b)
+                self.lengths.zero_()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if not self.sampling.greedy:
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph, pool=getattr(self.target, "_pool", None)):
+            self.iteration(b)
+        return graph.replay
+
+    # ---- between decodings and steps -----------------------------------------------------
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def compact(self, going: list[int]) -> None:
+        """Move rows ``going`` (ascending) to the front: a smaller bucket then runs them."""
+        index = device_ints(going, self.last.device)
+        for buf in (self.cache.k, self.cache.v):
+            buf[:, : len(going)] = buf[:, index]
+        for t in (self.lengths, self.last, self.active):
+            t[: len(going)] = t[index]
+        if self.drafter is not None:
+            self.drafter.select(index)
+
+
+def _buckets(rows: int) -> list[int]:
+    """1, 2, 4, ... up to ``rows`` (itself a power of two)."""
+    out, b = [], 1
+    while b <= rows:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def bucket_rows(n: int) -> int:
+    """The batch bucket of n rows: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def kept_loops(target) -> dict:
+    """The loops kept across decodings by ``target`` (the unwrapped one that owns the caches):
+    (proposer, rows, room, k, sampling, mode, backend) -> loop."""
+    return target.__dict__.setdefault("_spec_loops", {})
+
+
+def _loop_for(target, proposer, rows: int, room: int, k: int, layers, sampling: Sampling, mode, backend) -> SpecLoop:
+    """A free loop of this shape from an earlier decoding, else a new one (kept unless another
+    decoding holds the one of its shape: decodings in lockstep each need their own)."""
+    room = -(-room // ROOM_MULTIPLE) * ROOM_MULTIPLE
+    key = (id(proposer), rows, room, k, sampling.temperature, sampling.top_k, sampling.top_p, mode, backend)
+    base = getattr(target, "target", target)
+    kept = kept_loops(base)
+    loop = kept.get(key)
+    if loop is not None and not loop.busy and loop.owner() is proposer:
+        return loop
+    drafter = proposer.on_device(rows, room, k) if proposer is not None else None
+    loop = SpecLoop(base, drafter, rows, room, k, layers, sampling, mode, backend)
+    loop.owner = weakref.ref(proposer) if proposer is not None else (lambda: None)
+    if key not in kept or not kept[key].busy:
+        kept[key] = loop
+    return loop
+
+
+def device_steps(target, proposer, prompt_ids, max_new_tokens: int, k: int, sampling: Sampling, seed: int, eos,
+                 on_step=None, prompt_cache=None, backend: str = "auto"):
+    """One chain decoding (``k`` drafts per step; 0 = plain) through a :class:`SpecLoop`, as a
+    generator yielding after each step and returning the :class:`BatchResult`, as
+    :meth:`Decoder.steps` does. ``target`` may be a ``GraphedTarget``: its mode captures the
+    whole step."""
+    mode = getattr(target, "mode", None)
+    base = getattr(target, "target", target)
+    dev = base.device
+    prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompt_ids]
+    n = len(prompts)
+    rows = bucket_rows(n)
+    room = max(p.numel() for p in prompts) + max_new_tokens + 2 * (k + 1)
+    layers = tuple(proposer.layers) if proposer is not None else ()
+    loop = _loop_for(target, proposer, rows, room, k, layers, sampling, mode, backend)
+    loop.busy = True
+    try:
+        clock = Clock(dev)
+        verify = Stopwatch(clock)
+        t0 = clock()
+        loop.generator.manual_seed(seed)
+        # prefill: each prompt into its row (rows in prompt order: the static cache spans every slot)
+        view = RaggedKVCache(loop.cache.k, loop.cache.v, [0] * rows, static=True)
+        logits, hidden = prefill(base, prompts, list(range(n)), layers, view, Stopwatch(clock), prompt_cache)
+        first = loop.sampling.sample(loop.sampling.probs(logits))
+        loop.lengths.copy_(device_ints(view.lengths, dev)[:, None])
+        loop.last.zero_()
+        loop.last[:n] = first
+        emitters = [Emitter(max_new_tokens, eos, on_step and (lambda t, r=r: on_step(r, t))) for r in range(n)]
+        stats = [([], [], []) for _ in range(n)]
+        firsts = first.tolist()
+        going = [r for r in range(n) if not emitters[r].emit([firsts[r]])]
+        if loop.drafter is not None:
+            for r in going:
+                loop.drafter.start(r, prompts[r], hidden[r], first[r])
+        loop.active.copy_(device_ints([int(r in going) for r in range(rows)], dev).bool())
+        t1 = clock()
+        slot_rows = list(range(rows))  # the decoding row in each loop row (-1: none)
+        for s in range(n, rows):
+            slot_rows[s] = -1
+        num_steps = 0
+        while going:
+            b = loop.bucket(max(slot_rows.index(r) for r in going) + 1)
+            read = verify(loop.step, b)
+            num_steps += 1
+            stopped = []
+            for s in range(b):
+                r = slot_rows[s]
+                if r < 0 or r not in going:
+                    continue
+                acc, tokens = read[s][0], read[s][1:]
+                for record, x in zip(stats[r], (acc, k, k)):
+                    record.append(x)
+                if emitters[r].emit(tokens[: acc + 1]):
+                    stopped.append(s)
+            if stopped:
+                going = [r for r in going if slot_rows.index(r) not in stopped]
+                loop.active[device_ints(stopped, dev)] = False
+                if going and bucket_rows(len(going)) < b:
+                    slots = sorted(slot_rows.index(r) for r in going)
+                    loop.compact(slots)
+                    slot_rows = [slot_rows[s] for s in slots] + [-1] * (rows - len(slots))
+            yield from clock.pause()
+        t2 = clock()
+        pre, decode = clock.seconds(t0, t1), clock.seconds(t1, t2) - clock.total(clock.suspended)
+        results = [GenerationResult(e.tokens, stop_reason=e.stop_reason, num_steps=len(stats[r][0]),
+                                    **dict(zip(("accept_lengths", "num_drafted", "draft_depths"), stats[r])))
+                   for r, e in enumerate(emitters)]
+        # a captured step is one graph: drafting, verifying and extending count as the step's time
+        step_time = verify.seconds
+        return BatchResult(results, prefill_time=pre, verify_time=step_time,
+                           other_time=decode - step_time, total_time=pre + decode, num_steps=num_steps,
+                           draft_lengths=[k] * num_steps)
+    finally:
+        loop.busy = False
