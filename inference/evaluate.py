@@ -6,6 +6,11 @@ For every prompt the plain baseline and speculative decoding run in lockstep (on
 in turn, so the machine's slow spells slow both alike), on the same prompt with the same
 ``max_new_tokens`` and sampling settings. One untimed warm-up generation of each kind runs first
 (allocator, kernel compilation). Metrics come from :mod:`draftlab.inference.metrics`.
+
+A greedy chain or block report also gives the engine's ceiling at the same k
+(``engine_ceiling``): the oracle drafter (:mod:`~draftlab.inference.oracle`) drafting each
+prompt's plain continuation right after its pair, so every draft is accepted; its speedup over
+the same baseline is the most this engine gives at that k, whatever the drafter.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from draftlab.inference.decoding_spec import DecodingSpec
 from draftlab.inference.metrics import AcceptanceStats, tau_prompt_mean
 from draftlab.inference.prompts import EvalPrompt
 from draftlab.inference.proposer import ChangesVerifier, OwnModel, PreparesPrompts, Proposer, verifying_target
-from draftlab.inference.shapes import Chain, Shape, shape_fields
+from draftlab.inference.shapes import Block, Chain, Shape, shape_fields
 
 
 class _Totals:
@@ -108,6 +113,8 @@ def evaluate(
     if isinstance(proposer, PreparesPrompts):
         proposer.prepare(target, [p.prompt_ids for p in prompts], max_new_tokens, eos_token_id)
     decoder, plain = Decoder(target, proposer, backend=backend), Decoder(target)
+    oracle = _ceiling_oracle(target, proposer, shape, temperature, baseline)
+    ceiling = _Totals()
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
     if warmup:
         n = min(max_new_tokens, 16)
@@ -137,6 +144,11 @@ def evaluate(
                 "matched": (spec.tokens == base.tokens) if compare else None,
             }
         )
+        if oracle is not None:
+            oracle.remember(p.prompt_ids, base.tokens)
+            drafted = Decoder(target, oracle, backend=backend)
+            ceiling.add(single(drafted.generate([p.prompt_ids], max_new_tokens, Chain(shape.k), seed=seed + i, **sampling)),
+                        base, compare)
         if progress is not None:
             progress(i, len(prompts), spec)
     return {
@@ -159,7 +171,24 @@ def evaluate(
         "prompts": per_prompt,
         **({"verifier_check": verifier_note} if verifier_note else {}),
         **({"cuda_graphs": graphs()} if graphs else {}),
+        **({"engine_ceiling": _ceiling_fields(ceiling, shape.k)} if oracle is not None else {}),
     }
+
+
+def _ceiling_oracle(target, proposer, shape, temperature: float, baseline: bool):
+    """The oracle that measures the engine's ceiling beside ``proposer``: greedy chains and blocks
+    with a baseline, and not beside the oracle itself; else None."""
+    from draftlab.inference.oracle import OracleProposer
+
+    if temperature != 0.0 or not baseline or not isinstance(shape, (Chain, Block)) or isinstance(proposer, OracleProposer):
+        return None
+    return OracleProposer(target)
+
+
+def _ceiling_fields(t: _Totals, k: int) -> dict:
+    d = t.to_dict(True)
+    return {"drafter": "oracle", "k": k, "tau": d["tau"], "speedup": d["speedup"], "tokens_per_s": d["tokens_per_s"],
+            "greedy_match": d["greedy_match"]}
 
 
 def acceptance_report(target, proposer: Proposer, prompts: list[EvalPrompt], spec: DecodingSpec, *, seed: int = 0,

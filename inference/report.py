@@ -122,6 +122,10 @@ def markdown(report: dict) -> str:
     if cache:
         text += (f"\ndrafter KV cache: {cache['bytes_per_token']:,} bytes per token of context, "
                  f"{100 * cache['share']:.1f} % of the target's {cache['target_bytes_per_token']:,}\n")
+    top = report.get("engine_ceiling")
+    if top:
+        text += (f"\nengine ceiling (the oracle drafter: the target's own continuation, k={top['k']}): "
+                 f"tau {_fmt(top['tau'])}, speedup {_fmt(top['speedup'])}\n")
     if report.get("batches"):
         text += f"\nspeedup by batch size ({_batches_label(report['batches'])}):\n\n"
         text += batch_table(report["batches"])

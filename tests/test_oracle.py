@@ -67,3 +67,25 @@ def test_options_and_cli(tiny_target_dirs, tmp_path, capsys):
     capsys.readouterr()
     assert main(argv[:-2] + ["--method", "tree"]) == 2
     assert "does not draft" in capsys.readouterr().err
+
+
+def test_every_greedy_chain_report_gives_the_engine_ceiling(tiny_llama, prompts):
+    """A drafter's report carries the oracle's run at the same k beside it (tau = k + 1); not
+    beside the oracle itself, nor for trees or sampled decoding."""
+    from draftlab.inference.evaluate import evaluate
+    from draftlab.inference.lookahead import LookaheadProposer
+    from draftlab.inference.ngram import NgramProposer
+    from draftlab.inference.prompts import EvalPrompt
+    from draftlab.inference.report import markdown
+    from draftlab.inference.shapes import DynamicTree
+
+    ps = [EvalPrompt(id=str(i), category="c", prompt_ids=p) for i, p in enumerate(prompts[:2])]
+    rep = evaluate(tiny_llama, NgramProposer(), ps, Chain(3), max_new_tokens=13, warmup=False)
+    top = rep["engine_ceiling"]
+    assert top["k"] == 3 and top["tau"] == 4.0 and top["greedy_match"] == "2/2" and top["speedup"] > 0
+    assert "engine ceiling (the oracle drafter: the target's own continuation, k=3): tau 4.00" in markdown(rep)
+    assert "engine_ceiling" not in evaluate(tiny_llama, NgramProposer(), ps, Chain(3), max_new_tokens=5, warmup=False,
+                                            temperature=1.0)
+    assert "engine_ceiling" not in evaluate(tiny_llama, LookaheadProposer(), ps, DynamicTree(2, 2, 4), max_new_tokens=5,
+                                            warmup=False)
+    assert "engine_ceiling" not in evaluate(tiny_llama, OracleProposer(tiny_llama), ps, Chain(2), max_new_tokens=5, warmup=False)
