@@ -64,9 +64,11 @@ def test_every_family_decodes_batches_on_cuda(tiny_llama, cuda_llama, prompts, a
     proposer = _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "ckpt")
     plain = [r.tokens for r in generate_plain_batch(cuda_llama, prompts, N_NEW).rows]
     calls = _count_kernel_calls(monkeypatch)
-    res = Decoder(cuda_llama, proposer).generate(prompts, N_NEW, shape)
+    res = Decoder(cuda_llama, proposer, loop="host").generate(prompts, N_NEW, shape)
     assert [r.tokens for r in res.rows] == plain
     assert sum(calls.values()) >= res.num_steps > 0, calls  # every drafting step verified by a kernel
+    # CUDA's default: the device loop where the family drafts on the device, else the host loop
+    assert [r.tokens for r in Decoder(cuda_llama, proposer).generate(prompts, N_NEW, shape).rows] == plain
     # batched arithmetic may round differently from a batch of one: said, not hidden
     alone = [generate_plain(cuda_llama, p, N_NEW).tokens for p in prompts]
     print(f"{algorithm}: batched rows equal to each alone on CUDA: {sum(a == b for a, b in zip(alone, plain))}/{len(plain)}")
@@ -90,12 +92,29 @@ def test_batched_sampling_on_cuda_preserves_each_rows_distribution(tiny_llama, c
         assert_follows_target(counts[b], tiny_llama, p, 2, temperature, top_k, n)
 
 
-@pytest.mark.parametrize("algorithm,shape", [(None, None), ("eagle3", Chain(3)), ("draft_lm", DynamicTree(3, 2, 8)),
-                                             ("ngram", Chain(3))])
-def test_cuda_graph_decoding_equals_eager(tiny_llama, cuda_llama, prompts, algorithm, shape, tmp_path):
-    """Real CUDA graphs over the static cache: the same tokens and accepted lengths as eager
-    forwards over the ragged cache, every step's target forward replayed (and the draft LM's),
-    none eager; a second decoding captures nothing new."""
+@pytest.mark.parametrize("algorithm,shape,loop", [(None, None, "host"), (None, None, "device"), ("eagle3", Chain(3), "host"),
+                                                  ("eagle3", Chain(3), "device"), ("draft_lm", DynamicTree(3, 2, 8), "host"),
+                                                  ("ngram", Chain(3), "host")])
+def test_cuda_graph_decoding_equals_eager(tiny_llama, cuda_llama, prompts, algorithm, shape, loop, tmp_path):
+    """Real CUDA graphs over the static caches: the same tokens and accepted lengths as eager
+    forwards over the ragged cache. Host loop: every step's target forward replayed (and the
+    draft LM's), none eager, a second decoding captures nothing new. Device loop: every whole
+    step replayed from the graphs captured before the first decoding's prefill."""
+    if loop == "device":
+        from draftlab.inference.spec_loop import kept_loops
+
+        kept_loops(cuda_llama).clear()
+        proposer = None if algorithm is None else _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "d")
+        eager = Decoder(cuda_llama, proposer, loop="host").generate(prompts, N_NEW, shape)
+        graphed = GraphedTarget(cuda_llama)
+        for _ in range(2):
+            res = Decoder(graphed, proposer, loop="device").generate(prompts, N_NEW, shape)
+            assert [r.tokens for r in res.rows] == [r.tokens for r in eager.rows]
+            assert [r.accept_lengths for r in res.rows] == [r.accept_lengths for r in eager.rows]
+        (kept,) = kept_loops(cuda_llama).values()
+        assert kept.mode == "cuda" and kept.stats["eager"] == 0 and kept.stats["replayed"] >= 2 * eager.num_steps > 0
+        assert kept.stats["captured"] == len(kept.buckets)
+        return
     graphed, drafter = GraphedTarget(cuda_llama), []
 
     def graphed_proposer(path):
@@ -105,11 +124,11 @@ def test_cuda_graph_decoding_equals_eager(tiny_llama, cuda_llama, prompts, algor
         return proposer
 
     if algorithm is None:
-        eager = generate_plain_batch(cuda_llama, prompts, N_NEW)
-        decode = lambda i: generate_plain_batch(graphed, prompts, N_NEW)  # noqa: E731
+        eager = Decoder(cuda_llama, loop="host").generate(prompts, N_NEW, None)
+        decode = lambda i: Decoder(graphed, loop="host").generate(prompts, N_NEW, None)  # noqa: E731
     else:
-        eager = Decoder(cuda_llama, _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "a")).generate(prompts, N_NEW, shape)
-        decode = lambda i: Decoder(graphed, graphed_proposer(tmp_path / f"b{i}")).generate(prompts, N_NEW, shape)  # noqa: E731
+        eager = Decoder(cuda_llama, _proposer(algorithm, tiny_llama, cuda_llama, tmp_path / "a"), loop="host").generate(prompts, N_NEW, shape)
+        decode = lambda i: Decoder(graphed, graphed_proposer(tmp_path / f"b{i}"), loop="host").generate(prompts, N_NEW, shape)  # noqa: E731
     captured = []
     for i in range(2):
         res = decode(i)
