@@ -5,9 +5,11 @@ A drafter that trains well and is accepted far less once served usually differs 
 the engine reads: a config field (max_position_embeddings, RoPE, a norm flag, the aux layers),
 a tensor, or the peer's model computing something else. The check, in that order:
 
-1. config: the export's config.json against the config the checkpoint and target give
-   (``Format.export_config``), every key compared but the format's ``free_keys`` (a verifier
-   path) -- an edited, added or dropped key is one line naming it and both values;
+1. config: what an engine reads from the export (``Format.served_config``: config.json, plus
+   generation_config.json for a draft LM) against what the checkpoint and target give
+   (``Format.expected_config``), every key compared but the format's ``free_keys`` (a verifier
+   path) -- an edited, added or dropped key (max_position_embeddings, rope_theta, a norm flag,
+   the aux layer ids, num speculative tokens) is one line naming it and both values;
 2. tensors: the export's weights against the checkpoint's export form, exactly (after the
    export's dtype cast) -- a missing, unknown or edited tensor is named;
 3. decoding: the export loaded with the peer's own model class (``Format.peer_proposer``, each

@@ -253,6 +253,24 @@ def test_a_derived_family_does_not_inherit_the_peer():
     assert not own_hook(Derived(), "peer_proposer") and not own_hook(Derived(), "detect")
 
 
+@pytest.mark.slow
+def test_bfloat16_export_is_checked_with_the_weights_it_holds(eagle31, tiny_llama, data, tmp_path):
+    """--dtype bfloat16: tensors compared after the cast, draftlab's side drafts with the rounded
+    weights the peer loads, so float noise stays float noise."""
+    pytest.importorskip("speculators.models.eagle3")
+    c, _ = eagle31
+    out = export_checkpoint(c, "vllm", tmp_path / "bf16", tiny_llama, ExportOptions(speculative_tokens=K, dtype="bfloat16"))
+    report, _ = _check(out, c, tiny_llama, data)
+    assert report.steps > 0 and report.worst_logit_diff <= LOGIT_ATOL
+
+
+def test_unknown_layout_is_one_line(eagle31, tiny_llama, data, tmp_path):
+    c, out = eagle31
+    edited = _edit_config(out, tmp_path, lambda cfg: cfg.update(speculators_model_type="eagle9"))
+    with pytest.raises(DraftlabError, match=r"config\.json is no known layout of eagle3 drafters"):
+        _check(edited, c, tiny_llama, data)
+
+
 def test_first_difference_walks_nested_keys():
     want = {"a": 1, "b": {"c": [1, 2], "d": True}, "free": 1}
     assert first_difference(json.loads(json.dumps(want)), want, set()) is None
