@@ -311,8 +311,15 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     from draftlab.inference.prompts import load_prompts
     from draftlab.inference.proposer import PROPOSERS
 
+    from draftlab.limits import MAX_K
+
     out, checkpoint = Path(out), Path(checkpoint)
     where = str(out)
+    if speculative_tokens is not None and not 1 <= speculative_tokens <= MAX_K:  # before anything loads
+        raise DraftlabError(f"--num-speculative-tokens must be in 1..{MAX_K}, got {speculative_tokens}")
+    for option, value in (("--num-prompts", num_prompts), ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise DraftlabError(f"{option} must be >= 1, got {value}")
     if not out.is_dir():
         raise DraftlabError(f"{where}: not a directory")
     config = read_config(out)

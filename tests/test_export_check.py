@@ -264,8 +264,12 @@ def test_bfloat16_export_is_checked_with_the_weights_it_holds(eagle31, tiny_llam
     assert report.steps > 0 and report.worst_logit_diff <= LOGIT_ATOL
 
 
-def test_unknown_layout_is_one_line(eagle31, tiny_llama, data, tmp_path):
+def test_unknown_layout_and_bad_options_are_one_line(eagle31, tiny_llama, data, tmp_path):
     c, out = eagle31
+    with pytest.raises(DraftlabError, match=r"--num-speculative-tokens must be in 1\.\.\d+, got 0"):
+        _check(out, c, tiny_llama, data, speculative_tokens=0)
+    with pytest.raises(DraftlabError, match=r"--num-prompts must be >= 1, got 0"):
+        check_export(out, c, tiny_llama, data=data, num_prompts=0, print_fn=lambda _: None)
     edited = _edit_config(out, tmp_path, lambda cfg: cfg.update(speculators_model_type="eagle9"))
     with pytest.raises(DraftlabError, match=r"config\.json is no known layout of eagle3 drafters"):
         _check(edited, c, tiny_llama, data)
