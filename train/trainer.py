@@ -436,7 +436,9 @@ class Trainer:
                 if self.accelerator.is_main_process:
                     self.model.eval()
                     t0 = time.perf_counter()
-                    report = self.evaluate(path)
+                    # a report must not move the training RNG: a resumed run restores the state saved before it
+                    with torch.random.fork_rng(devices=None if torch.cuda.is_available() else []):
+                        report = self.evaluate(path)
                     eval_s = time.perf_counter() - t0
                     self.model.train()
                     if report:
