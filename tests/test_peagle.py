@@ -304,4 +304,4 @@ def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_
     a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     report = json.loads((tmp_path / "straight" / "eval" / "latest.json").read_text())
-    assert report["greedy_match"] == "2/2" and report["step"] == 4 and len(report["alpha_j"]) == 3
+    assert report["greedy_match"] == "2/2" and report["step"] == 4 and len(report["alpha"]) == 3
