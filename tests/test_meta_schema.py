@@ -41,6 +41,7 @@ CONFIGS = {
     "medusa2": dict(num_heads=2, draft_vocab_size=64, lora_r=4, lora_targets=["q_proj", "v_proj"]),
     "diffusion": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False),
     "dspark": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False, markov_rank=8),
+    "peagle": dict(num_layers=1, parallel_depth=3, draft_vocab_size=64, normalize_fc_input=False, fc_norm=True),
 }
 
 
