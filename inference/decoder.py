@@ -73,9 +73,8 @@ class Decoder:
         shape = self._check(shape, draft_length, max_new_tokens, temperature, top_k, top_p)
         if self._on_device(shape, draft_length):
             eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or ())
-            return (yield from device_steps(self.target, self.proposer, prompt_ids, max_new_tokens,
-                                            shape.k if shape is not None else 0, Sampling(temperature, top_k, top_p),
-                                            seed, eos, on_step, prompt_cache, self.backend))
+            return (yield from device_steps(self.target, self.proposer, prompt_ids, max_new_tokens, shape,
+                                            Sampling(temperature, top_k, top_p), seed, eos, on_step, prompt_cache, self.backend))
         if self.target.device.type == "cuda":
             # (process-wide) cuDNN's attention builds an execution plan for each new shape, and decoding
             # makes new ones every step (a drafter's growing KV cache, each prompt's prefill)
@@ -133,8 +132,8 @@ class Decoder:
         if self.proposer is not None:
             if not isinstance(self.proposer, DraftsOnDevice):
                 why = f"proposer '{self.proposer.name}' does not draft on the device"
-            elif not isinstance(shape, (Chain, Block)) or shape.min_confidence:
-                why = "it decodes chains and blocks of a fixed k"
+            elif getattr(shape, "min_confidence", 0):
+                why = "min_confidence cuts each row's draft on its own"
             elif draft_length is not None:
                 why = "a draft-length rule changes k between steps"
             else:

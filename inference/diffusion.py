@@ -87,7 +87,7 @@ class DiffusionProposer(Proposer, DraftsOnDevice):
         most = self.drafter.block_size - 1
         return f"k={shape.k}: this drafter drafts {most} tokens a block" if shape.k > most else None
 
-    def on_device(self, rows: int, room: int, k: int) -> "DiffusionOnDevice":
+    def on_device(self, rows: int, room: int, shape) -> "DiffusionOnDevice":
         return DiffusionOnDevice(self, rows, room)
 
     def device_block(self, states: torch.Tensor) -> torch.Tensor:

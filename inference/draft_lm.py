@@ -54,7 +54,7 @@ class DraftLMProposer(BatchProposer, OwnModel, DraftsOnDevice):
         """Every row's drafts from one draft-LM forward per draft position (:class:`DraftLMRows`)."""
         return DraftLMRows(self, n)
 
-    def on_device(self, rows: int, room: int, k: int) -> "DraftLMOnDevice":
+    def on_device(self, rows: int, room: int, shape) -> "DraftLMOnDevice":
         return DraftLMOnDevice(getattr(self.lm, "target", self.lm), rows, room)
 
 

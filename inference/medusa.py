@@ -45,9 +45,13 @@ class MedusaProposer(Proposer, DraftsOnDevice):
 
     def refuses_on_device(self, shape) -> str | None:
         heads = self.drafter.num_heads
-        return f"k={shape.k}: its {heads} Medusa heads draft {heads} tokens a step" if shape.k > heads else None
+        if isinstance(shape, Chain):
+            return f"k={shape.k}: its {heads} Medusa heads draft {heads} tokens a step" if shape.k > heads else None
+        return None if isinstance(shape, StaticTree) else super().refuses_on_device(shape)
 
-    def on_device(self, rows: int, room: int, k: int) -> "MedusaOnDevice":
+    def on_device(self, rows: int, room: int, shape) -> "MedusaOnDevice":
+        if isinstance(shape, StaticTree):
+            self.check(shape, self.drafter)
         return MedusaOnDevice(self.drafter, rows)
 
     def batched(self, n: int, shape) -> RowProposers:
@@ -125,6 +129,13 @@ class MedusaOnDevice(DeviceDrafter):
     def draft(self, b: int, k: int) -> torch.Tensor:
         d = self.drafter
         return torch.stack([d.to_target_ids(d.head_logits(self.last[:b], i).max(-1).indices) for i in range(k)], 1)
+
+    def draft_tree(self, b: int, shape: StaticTree):
+        """Depth d's nodes hold head d - 1's ranked tokens (Medusa's Cartesian candidates)."""
+        d, dev = self.drafter, self.last.device
+        ranked = torch.stack([d.head_logits(self.last[:b], i).topk(shape.max_rank).indices for i in range(shape.max_depth)], 1)
+        tokens = d.to_target_ids(ranked[:, shape.depth.to(dev) - 1, shape.rank.to(dev)])
+        return tokens, shape.parents.to(dev).expand(b, -1)
 
     def extend(self, b, tokens, hidden, counts) -> None:
         h = hidden[self.drafter.num_target_layers]

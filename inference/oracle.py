@@ -73,7 +73,7 @@ class OracleProposer(Proposer, PreparesPrompts, DraftsOnDevice):
         draft = self._future[self._n : self._n + shape.k] if self._on_track else []
         return ChainDraft(device_ints(draft, self.target.device))
 
-    def on_device(self, rows: int, room: int, k: int) -> "OracleOnDevice":
+    def on_device(self, rows: int, room: int, shape) -> "OracleOnDevice":
         return OracleOnDevice(self, rows, room)
 
     def remember(self, prompt_ids, tokens: list[int]) -> None:

@@ -193,14 +193,16 @@ class DraftsOnDevice(ABC):
     (:mod:`~draftlab.inference.spec_loop`) drafts, verifies, accepts and extends it in one graph."""
 
     def refuses_on_device(self, shape) -> str | None:
-        """Why this decoding's drafts cannot run on the device (then the host loop runs them),
-        or None."""
-        return None
+        """Why drafting ``shape`` cannot run on the device (then the host loop runs it), or None;
+        by default chains and blocks run there, trees do not."""
+        if shape.kind in ("chain", "block"):
+            return None
+        return f"proposer '{self.name}' drafts {shape.kind.replace('_', ' ')}s on the host"
 
     @abstractmethod
-    def on_device(self, rows: int, room: int, k: int):
+    def on_device(self, rows: int, room: int, shape):
         """A :class:`~draftlab.inference.spec_loop.DeviceDrafter` for ``rows`` rows of up to
-        ``room`` positions each, drafting chains of ``k``."""
+        ``room`` positions each, drafting ``shape``."""
 
 # ---------------------------------------------------------------------- the rows of a batch
 class RowProposers:

@@ -36,7 +36,8 @@ from draftlab.device import device_ints
 from draftlab.inference.prefill import prefill
 from draftlab.inference.results import BatchResult, Clock, Emitter, GenerationResult, Stopwatch
 from draftlab.inference.sampling import Sampling
-from draftlab.kernels import accept_fixed_chains
+from draftlab.inference.shapes import DynamicTree, StaticTree
+from draftlab.kernels import accept_fixed_chains, accept_fixed_trees
 from draftlab.models.target import CACHE_SLOT_MULTIPLE, RaggedKVCache
 
 # The slots of a loop's caches are a multiple of this: decodings of prompts of similar lengths
@@ -57,6 +58,12 @@ class DeviceDrafter(ABC):
     def draft(self, b: int, k: int) -> torch.Tensor:
         """Long[b, k]: each row's k draft tokens (target ids), from what it has read."""
 
+    def draft_tree(self, b: int, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's tree of exactly ``shape.max_nodes`` nodes: tokens Long[b, N] (target ids)
+        and parents Long[b, N] (0: the root, the row's last token; node i's parent precedes it),
+        siblings distinct. Families whose proposer accepts tree shapes on the device define it."""
+        raise NotImplementedError
+
     @abstractmethod
     def extend(self, b: int, tokens: torch.Tensor, hidden: dict, counts: torch.Tensor) -> None:
         """Read what the step kept: ``tokens`` Long[b, W] (row r's first ``counts[r]``: the
@@ -73,16 +80,19 @@ class SpecLoop:
     slots, ``k`` drafts per step (0: plain decoding), one sampling setting. ``mode``: None
     (eager), "cuda" or "replay"."""
 
-    def __init__(self, target, drafter: DeviceDrafter | None, rows: int, room: int, k: int, layers, sampling: Sampling,
+    def __init__(self, target, drafter: DeviceDrafter | None, rows: int, room: int, shape, layers, sampling: Sampling,
                  mode: str | None, backend: str = "auto"):
-        self.target, self.drafter, self.rows, self.k, self.mode, self.backend = target, drafter, rows, k, mode, backend
+        self.target, self.drafter, self.rows, self.shape, self.mode, self.backend = target, drafter, rows, shape, mode, backend
+        self.tree = isinstance(shape, (DynamicTree, StaticTree))
+        self.k = 0 if shape is None else shape.max_depth if self.tree else shape.k  # the most drafts a step accepts
         self.layers = tuple(layers)
         dev = target.device
         self.cache = target.new_cache(rows, room, static=True)
         self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.last = torch.zeros(rows, dtype=torch.long, device=dev)
         self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
-        self.result = torch.zeros(rows, k + 2, dtype=torch.long, device=dev)  # accepted count, then tokens
+        # per row: drafts accepted, the longest run offered, then the tokens kept
+        self.result = torch.zeros(rows, self.k + 3, dtype=torch.long, device=dev)
         self.generator = torch.Generator(device=dev)
         self.sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, self.generator)
         self.buckets = [b for b in _buckets(rows)]
@@ -96,20 +106,34 @@ class SpecLoop:
     def iteration(self, b: int) -> None:
         """Rows 0..b-1: draft, verify, accept, roll back, extend; tensor ops only."""
         k, lengths, last, active = self.k, self.lengths[:b], self.last[:b], self.active[:b]
-        drafts = self.drafter.draft(b, k) if k else last.new_zeros(b, 0)
-        ids = torch.cat([last[:, None], drafts], 1)
         cache = RaggedKVCache(self.cache.k[:, :b], self.cache.v[:, :b], [0] * b, static=True)
         S = cache.max_len
-        step = RaggedKVCache.layout(lengths, k + 1, None, None, S, [(0, b, S)])
-        out = self.target.forward_step(ids, cache, step, self.layers, "all")
-        emitted, n = accept_fixed_chains(drafts, out.logits, self.sampling, backend=self.backend)
+        if self.tree:
+            tokens, parents = self.drafter.draft_tree(b, self.shape)
+            ids = torch.cat([last[:, None], tokens], 1)
+            parents = torch.cat([parents.new_full((b, 1), -1), parents], 1)
+            depth, seen = tree_layout(parents, k)
+            step = RaggedKVCache.layout(lengths, ids.shape[1], depth, seen, S, [(0, b, S)])
+            out = self.target.forward_step(ids, cache, step, self.layers, "all")
+            path, emitted, n = accept_fixed_trees(ids, parents, out.logits, self.sampling, k, backend=self.backend)
+            path = path.clamp(min=0)  # past the accepted path: the root, written where nothing is kept
+            _move_slots(cache, lengths + path, lengths + torch.arange(k + 1, device=path.device))
+            hidden = {i: h.gather(1, path[..., None].expand(-1, -1, h.shape[-1])) for i, h in out.hidden.items()}
+        else:
+            drafts = self.drafter.draft(b, k) if k else last.new_zeros(b, 0)
+            ids = torch.cat([last[:, None], drafts], 1)
+            step = RaggedKVCache.layout(lengths, k + 1, None, None, S, [(0, b, S)])
+            out = self.target.forward_step(ids, cache, step, self.layers, "all")
+            emitted, n = accept_fixed_chains(drafts, out.logits, self.sampling, backend=self.backend)
+            hidden = out.hidden
         kept = torch.where(active, n + 1, 0)
         lengths += kept[:, None]
         if self.drafter is not None:
-            self.drafter.extend(b, emitted.clamp(min=0), out.hidden, kept)
+            self.drafter.extend(b, emitted.clamp(min=0), hidden, kept)
         last.copy_(torch.where(active, emitted.gather(1, n[:, None])[:, 0], last))
         self.result[:b, 0] = n
-        self.result[:b, 1:] = emitted
+        self.result[:b, 1] = depth.amax(1) if self.tree else k
+        self.result[:b, 2:] = emitted
 
     def step(self, b: int) -> list[list[int]]:
         """Run one iteration over rows 0..b-1; each row's accepted count and tokens, read once."""
@@ -159,6 +183,33 @@ class SpecLoop:
             self.drafter.select(index)
 
 
+def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each node's depth [B, T] and which nodes it sees, itself and its ancestors [B, T, T], of
+    trees given by ``parents`` [B, T] (node 0 the root, parent -1; a parent precedes its
+    children), by ``max_depth`` steps up the tree."""
+    B, T = parents.shape
+    cur = torch.arange(T, device=parents.device).expand(B, T)
+    seen = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
+    seen.scatter_(2, cur[..., None], True)
+    depth = torch.zeros_like(parents)
+    for _ in range(max_depth):
+        up = parents.gather(1, cur)
+        has = up >= 0
+        depth = depth + has
+        cur = torch.where(has, up, cur)
+        seen.scatter_(2, cur[..., None], True)
+    return depth, seen
+
+
+def _move_slots(cache: RaggedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every layer's K/V of row b at slots ``src[b]`` to slots ``dst[b]`` ([B, n] each; read
+    before written)."""
+    for buf in (cache.k, cache.v):
+        L, B, H, S, D = buf.shape
+        index = src[None, :, None, :, None].expand(L, B, H, -1, D)
+        buf.scatter_(3, dst[None, :, None, :, None].expand(L, B, H, -1, D), buf.gather(3, index))
+
+
 def _buckets(rows: int) -> list[int]:
     """1, 2, 4, ... up to ``rows`` (itself a power of two)."""
     out, b = [], 1
@@ -166,6 +217,14 @@ def _buckets(rows: int) -> list[int]:
         out.append(b)
         b *= 2
     return out
+
+
+def _width(shape) -> int:
+    if shape is None:
+        return 0
+    if isinstance(shape, DynamicTree):
+        return shape.max_nodes + shape.max_depth * shape.top_k
+    return shape.max_nodes
 
 
 def bucket_rows(n: int) -> int:
@@ -179,27 +238,33 @@ def kept_loops(target) -> dict:
     return target.__dict__.setdefault("_spec_loops", {})
 
 
-def _loop_for(target, proposer, rows: int, room: int, k: int, layers, sampling: Sampling, mode, backend) -> SpecLoop:
+def _loop_for(target, proposer, rows: int, room: int, shape, layers, sampling: Sampling, mode, backend) -> SpecLoop:
     """A free loop of this shape from an earlier decoding, else a new one (kept unless another
     decoding holds the one of its shape: decodings in lockstep each need their own)."""
     room = -(-room // ROOM_MULTIPLE) * ROOM_MULTIPLE
-    key = (id(proposer), rows, room, k, sampling.temperature, sampling.top_k, sampling.top_p, mode, backend)
+    key = (id(proposer), rows, room, _shape_key(shape), sampling.temperature, sampling.top_k, sampling.top_p, mode, backend)
     base = getattr(target, "target", target)
     kept = kept_loops(base)
     loop = kept.get(key)
     if loop is not None and not loop.busy and loop.owner() is proposer:
         return loop
-    drafter = proposer.on_device(rows, room, k) if proposer is not None else None
-    loop = SpecLoop(base, drafter, rows, room, k, layers, sampling, mode, backend)
+    drafter = proposer.on_device(rows, room, shape) if proposer is not None else None
+    loop = SpecLoop(base, drafter, rows, room, shape, layers, sampling, mode, backend)
     loop.owner = weakref.ref(proposer) if proposer is not None else (lambda: None)
     if key not in kept or not kept[key].busy:
         kept[key] = loop
     return loop
 
 
-def device_steps(target, proposer, prompt_ids, max_new_tokens: int, k: int, sampling: Sampling, seed: int, eos,
+def _shape_key(shape):
+    if isinstance(shape, StaticTree):
+        return (shape.kind, shape.choices)
+    return None if shape is None else (shape.kind, *vars(shape).values())
+
+
+def device_steps(target, proposer, prompt_ids, max_new_tokens: int, shape, sampling: Sampling, seed: int, eos,
                  on_step=None, prompt_cache=None, backend: str = "auto"):
-    """One chain decoding (``k`` drafts per step; 0 = plain) through a :class:`SpecLoop`, as a
+    """One decoding drafting ``shape`` each step (None: plain) through a :class:`SpecLoop`, as a
     generator yielding after each step and returning the :class:`BatchResult`, as
     :meth:`Decoder.steps` does. ``target`` may be a ``GraphedTarget``: its mode captures the
     whole step."""
@@ -209,9 +274,11 @@ def device_steps(target, proposer, prompt_ids, max_new_tokens: int, k: int, samp
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompt_ids]
     n = len(prompts)
     rows = bucket_rows(n)
-    room = max(p.numel() for p in prompts) + max_new_tokens + 2 * (k + 1)
+    # room for the drafts past a row's end (a tree drafter's speculative levels: depth x top_k)
+    room = max(p.numel() for p in prompts) + max_new_tokens + 2 * (_width(shape) + 1)
     layers = tuple(proposer.layers) if proposer is not None else ()
-    loop = _loop_for(target, proposer, rows, room, k, layers, sampling, mode, backend)
+    loop = _loop_for(target, proposer, rows, room, shape, layers, sampling, mode, backend)
+    drafted = 0 if shape is None else shape.max_nodes
     loop.busy = True
     try:
         clock = Clock(dev)
@@ -247,8 +314,8 @@ def device_steps(target, proposer, prompt_ids, max_new_tokens: int, k: int, samp
                 r = slot_rows[s]
                 if r < 0 or r not in going:
                     continue
-                acc, tokens = read[s][0], read[s][1:]
-                for record, x in zip(stats[r], (acc, k, k)):
+                acc, offered, tokens = read[s][0], read[s][1], read[s][2:]
+                for record, x in zip(stats[r], (acc, drafted, offered)):
                     record.append(x)
                 if emitters[r].emit(tokens[: acc + 1]):
                     stopped.append(s)
@@ -269,6 +336,6 @@ def device_steps(target, proposer, prompt_ids, max_new_tokens: int, k: int, samp
         step_time = verify.seconds
         return BatchResult(results, prefill_time=pre, verify_time=step_time,
                            other_time=decode - step_time, total_time=pre + decode, num_steps=num_steps,
-                           draft_lengths=[k] * num_steps)
+                           draft_lengths=[loop.k] * num_steps)
     finally:
         loop.busy = False

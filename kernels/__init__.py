@@ -74,6 +74,7 @@ from draftlab.kernels import reference
 __all__ = [
     "accept_chains",
     "accept_fixed_chains",
+    "accept_fixed_trees",
     "accept_trees",
     "chain_verify_greedy",
     "chain_verify_sampling",
@@ -340,6 +341,21 @@ def accept_fixed_chains(drafts, target_logits, sampling, draft_probs=None, backe
     q = None if draft_probs is None else draft_probs.reshape(B * k, V).float()
     return _backend(backend, dev).chain_verify_sampling(drafts.reshape(-1), cu, sampling.probs(target_logits.reshape(-1, V)),
                                                        q, uniforms, noise, k)
+
+
+def accept_fixed_trees(tokens, parents, target_logits, sampling, max_depth: int, backend: str = "auto"):
+    """Verify B trees of N nodes each with no host read (a captured step's accept): the tree
+    layout of :func:`accept_trees`, trees no deeper than ``max_depth``. Returns (path, out,
+    num_accepted) as :func:`tree_verify_greedy` does, [B, max_depth + 1] padded with -1.
+    Unchecked: the caller builds the layout."""
+    B, N, V = target_logits.shape
+    if sampling.greedy:
+        return _backend(backend, tokens.device).tree_verify_greedy(tokens, parents, target_logits.max(-1).indices, max_depth)
+    gen = sampling.generator
+    uniforms = torch.rand(B, N, dtype=torch.float64, device=tokens.device, generator=gen)
+    noise = torch.empty(B, N, V, device=tokens.device).exponential_(generator=gen)
+    return _backend(backend, tokens.device).tree_verify_sampling(tokens, parents, sampling.probs(target_logits), uniforms, noise,
+                                                                 max_depth)
 
 
 def accept_trees(tokens, parents, target_logits, sampling, backend: str = "auto"):
