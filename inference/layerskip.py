@@ -32,9 +32,11 @@ from __future__ import annotations
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.proposer import PROPOSERS, BatchProposer, DraftsWithTarget, RowProposers, draft_vocab_size
+from draftlab.inference.proposer import PROPOSERS, BatchProposer, DraftsOnDevice, DraftsWithTarget, RowProposers, draft_vocab_size
 from draftlab.inference.sampling import Sampling
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree
+from draftlab.inference.spec_loop import DeviceDrafter
+from draftlab.models.target import RaggedKVCache
 
 # Draft & Verify's exit (``auto_parameters`` of dilab-zju/self-speculative-decoding)
 EXIT_START = {True: 0.8, False: 0.5}  # gamma's start, by greedy
@@ -45,7 +47,7 @@ EXIT_MOMENTUM = 0.9
 
 
 @PROPOSERS.register("layerskip")
-class LayerSkipProposer(BatchProposer, DraftsWithTarget):
+class LayerSkipProposer(BatchProposer, DraftsWithTarget, DraftsOnDevice):
     shapes = frozenset({"chain", "dynamic_tree"})
     layers = ()  # reads no hidden state: it runs the target
 
@@ -58,6 +60,14 @@ class LayerSkipProposer(BatchProposer, DraftsWithTarget):
     def rows(self, n: int) -> RowProposers:
         """Every row's drafts from the same forwards of the target (:class:`LayerSkipRows`)."""
         return LayerSkipRows(self, n)
+
+    def refuses_on_device(self, shape) -> str | None:
+        if self.adaptive_exit:
+            return "its draft exit (adaptive_exit) ends each row's draft on its own"
+        return super().refuses_on_device(shape)
+
+    def on_device(self, rows: int, room: int, shape) -> "LayerSkipOnDevice":
+        return LayerSkipOnDevice(self.skip)
 
 
 class LayerSkipRows(RowProposers):
@@ -189,3 +199,35 @@ def _tree(levels: list[list[int]], device) -> DraftTree:
         depth += [d + 1] * len(level)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return DraftTree(as_long(tokens), as_long(parents), as_long(depth))
+
+
+class LayerSkipOnDevice(DeviceDrafter):
+    """Greedy chains drafted by the target itself over the loop's own cache, passing over the
+    skip set: depth j writes its layers' K/V at each row's length + j, which the verify forward
+    then rewrites with every layer. No state of its own."""
+
+    def __init__(self, skip: frozenset[int]):
+        self.skip = skip
+
+    def bind(self, loop) -> None:
+        self.loop = loop
+
+    def start(self, row, prompt_ids, hidden, next_token) -> None:
+        pass
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        loop = self.loop
+        cache = RaggedKVCache(loop.cache.k[:, :b], loop.cache.v[:, :b], [], static=True)
+        S, tok, out = cache.max_len, loop.last[:b], []
+        for j in range(k):
+            step = RaggedKVCache.layout(loop.lengths[:b] + j, 1, None, None, S, [(0, b, S)])
+            logits = loop.target.forward_step(tok[:, None], cache, step, (), "last", self.skip).logits[:, -1]
+            tok = logits.max(-1).indices
+            out.append(tok)
+        return torch.stack(out, 1)
+
+    def extend(self, b, tokens, hidden, counts) -> None:
+        pass
+
+    def select(self, index) -> None:
+        pass

@@ -74,6 +74,10 @@ class DeviceDrafter(ABC):
     def select(self, index: torch.Tensor) -> None:
         """Move rows ``index`` (Long[n], device) to rows 0..n-1."""
 
+    def bind(self, loop: "SpecLoop") -> None:
+        """Called once with the loop that runs it: a drafter that drafts with the target itself
+        reads the loop's cache, lengths and last tokens."""
+
 
 class SpecLoop:
     """The static buffers and graphs of chain decodings of ``rows`` rows (a bucket), ``room``
@@ -98,6 +102,8 @@ class SpecLoop:
         self.buckets = [b for b in _buckets(rows)]
         self._graphs: dict[int, object] = {}
         self.stats: Counter = Counter()  # captured, replayed, eager; steps per bucket ("rows 4")
+        if drafter is not None:
+            drafter.bind(self)
         for b in self.buckets:  # before any prefill: capture's warm-up runs write the buffers
             self._graphs[b] = self._capture(b)
         self.lengths.zero_()

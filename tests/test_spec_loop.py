@@ -84,7 +84,14 @@ def _diffusion(target):
     return DiffusionProposer(d.eval())
 
 
-@pytest.mark.parametrize("family", [_medusa, _draft_lm, _diffusion])
+def _layerskip(target):
+    from draftlab.inference.layerskip import LayerSkipProposer
+    from draftlab.models.layerskip import LayerSkip
+
+    return LayerSkipProposer(LayerSkip([2], target.num_layers, False))  # drafts accepted in part
+
+
+@pytest.mark.parametrize("family", [_medusa, _draft_lm, _diffusion, _layerskip])
 def test_other_families_equal_the_host_loop(tiny_llama, prompts, family, monkeypatch):
     """Same tokens, acceptance and drafts at every step while all rows decode (the drafts are
     compared too: a drafter whose drafts are all rejected would decode the target's tokens anyway)."""
@@ -237,6 +244,11 @@ def test_loops_are_reused_and_buckets_shrink(tiny_llama, prompts, eagle):
 def test_what_the_device_loop_cannot_run_is_a_one_line_error(tiny_llama, prompts, eagle):
     with pytest.raises(DraftlabError, match="device loop cannot run this decoding: a tree of depth 2 and top-k 1 grows 2 nodes"):
         _decode(tiny_llama, eagle, prompts[:1], DynamicTree(depth=2, top_k=1, total_tokens=6), "device")
+    with pytest.raises(DraftlabError, match="adaptive_exit"):
+        from draftlab.inference.layerskip import LayerSkipProposer
+        from draftlab.models.layerskip import LayerSkip
+
+        _decode(tiny_llama, LayerSkipProposer(LayerSkip([1], tiny_llama.num_layers, True)), prompts[:1], Chain(2), "device")
     with pytest.raises(DraftlabError, match="drafts static trees on the host"):
         _decode(tiny_llama, eagle, prompts[:1], STATIC, "device")
     with pytest.raises(DraftlabError, match="does not draft on the device"):
