@@ -19,6 +19,7 @@ vllm       medusa    vLLM ``MedusaModel`` (``blocks.*``, ``lm_heads.*``, ``token
 medusa     medusa    FasterDecoding ``medusa_lm_head.safetensors`` / ``.pt`` (TRT-LLM)   medusa.py
 vllm       medusa2   the heads as vLLM ``MedusaModel``, beside the merged target       medusa2.py
 vllm       diffusion speculators ``dflash`` (``DFlashDraftModel``; vLLM ``"dflash"``)      dflash.py
+vllm       peagle    speculators ``peagle`` (``PEagleDraftModel``; vLLM detects P-EAGLE)  peagle_speculators.py
 sglang     diffusion z-lab ``DFlashDraftModel`` (SGLang ``DFLASH``, SpecForge); full vocab  dflash.py
 hf         any       draftlab checkpoint + config.json (what ``draftlab eval`` reads)  draftlab_layout.py
 =========  ========  ==============================================================  ===============

@@ -129,6 +129,15 @@ def test_greedy_decoding_equals_plain(shape, tiny_llama, tmp_path):
     assert sum(spec.num_drafted) > 0 or shape == Chain(4, min_confidence=0.05)
 
 
+@pytest.mark.parametrize("shape", [Chain(3), DynamicTree(3, 2, 8)], ids=str)
+def test_a_batch_decodes_as_each_row_alone(shape, tiny_llama):
+    from draftlab.inference.decoder import Decoder
+
+    prompts = [tiny_llama.tokenizer(t)["input_ids"] for t in ("the quick brown fox", "one two", "a b c d e f g h")]
+    res = Decoder(tiny_llama, PEagleProposer(_drafter(tiny_llama))).generate(prompts, 16, shape)
+    assert [r.tokens for r in res.rows] == [generate_plain(tiny_llama, torch.tensor(p), 16).tokens for p in prompts]
+
+
 def test_sampled_drafts_carry_their_slot_distributions(tiny_llama):
     from draftlab.inference.sampling import Sampling
 
