@@ -351,7 +351,7 @@ class DraftLMOnDevice(DeviceDrafter):
         self.lm = lm
         self.cache = lm.new_cache(rows, room, static=True)
         self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=lm.device)
-        self.logits = None  # [rows, V]: each row's next-token logits, from the first start
+        self.logits = torch.zeros(rows, lm.vocab_size, dtype=lm.dtype, device=lm.device)  # each row's next-token logits
 
     def _hidden(self, b: int, ids, lengths) -> torch.Tensor:
         cache = RaggedKVCache(self.cache.k[:, :b], self.cache.v[:, :b], [], static=True)
@@ -362,10 +362,7 @@ class DraftLMOnDevice(DeviceDrafter):
     @torch.no_grad()
     def start(self, row, prompt_ids, hidden, next_token) -> None:
         ids = torch.cat([prompt_ids.reshape(-1), next_token.reshape(1)])[None]
-        out = self.lm(ids, cache=self.cache.row(row), logits="last")
-        if self.logits is None:
-            self.logits = out.logits.new_zeros(self.cache.batch_size, out.logits.shape[-1])
-        self.logits[row] = out.logits[0, -1]
+        self.logits[row] = self.lm(ids, cache=self.cache.row(row), logits="last").logits[0, -1]
         self.lengths[row] = ids.shape[1]
 
     def draft(self, b: int, k: int) -> torch.Tensor:

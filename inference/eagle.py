@@ -378,7 +378,7 @@ class EagleOnDevice(DeviceDrafter):
         self.k, self.v = torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.lengths = torch.zeros(rows, 1, dtype=torch.long, device=p.device)
         self.last_h = torch.zeros(rows, 1, d.shape.hidden_size, dtype=p.dtype, device=p.device)
-        self.last_logits = None  # [rows, V_draft], from the first start
+        self.last_logits = d.head(self.last_h[:, 0])  # [rows, V_draft]: what each row's next draft follows
 
     def _forward(self, rows: slice, tokens, feats, lengths) -> torch.Tensor:
         """The drafter over ``tokens`` [b, T] of cache rows ``rows``, written at ``lengths`` [b, 1]."""
@@ -406,10 +406,7 @@ class EagleOnDevice(DeviceDrafter):
         rows = slice(row, row + 1)
         self.lengths[rows] = 0
         h = self._forward(rows, tokens, self.drafter.features(hidden), self.lengths[rows])
-        logits = self.drafter.head(h[:, -1])
-        if self.last_logits is None:
-            self.last_logits = logits.new_zeros(self.k.shape[1], logits.shape[-1])
-        self.last_h[rows], self.last_logits[rows] = h[:, -1:], logits
+        self.last_h[rows], self.last_logits[rows] = h[:, -1:], self.drafter.head(h[:, -1])
         self.lengths[rows] = tokens.shape[1]
 
     def draft(self, b: int, k: int) -> torch.Tensor:

@@ -117,14 +117,12 @@ class MedusaOnDevice(DeviceDrafter):
     """Each row's last kept hidden state in a static buffer; a chain is the heads' top-1 over it."""
 
     def __init__(self, drafter, rows: int):
-        self.drafter, self.rows = drafter, rows
-        self.last = None  # [rows, H], from the first start
+        p = drafter.lm_heads[0].weight  # (a decoding copy's linears hold no parameters)
+        self.drafter = drafter
+        self.last = torch.zeros(rows, drafter.hidden_size, dtype=p.dtype, device=p.device)
 
     def start(self, row, prompt_ids, hidden, next_token) -> None:
-        h = hidden[self.drafter.num_target_layers][0, -1]
-        if self.last is None:
-            self.last = h.new_zeros(self.rows, h.shape[-1])
-        self.last[row] = h
+        self.last[row] = hidden[self.drafter.num_target_layers][0, -1]
 
     def draft(self, b: int, k: int) -> torch.Tensor:
         d = self.drafter

@@ -26,6 +26,7 @@ or none: plain decoding) runs here instead, on CUDA by default (``Decoder(loop=.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -154,18 +155,22 @@ class SpecLoop:
         return self.result[:b].tolist()
 
     def _capture(self, b: int):
+        """Bucket b's step, captured: warmed up twice over the fresh buffers first (lazy library
+        set-up happens outside the capture; replay mode runs the same warm-up, so a drafter whose
+        buffers a capture could not run over fails on CPU too)."""
         if self.mode is None:
             return None
         self.stats["captured"] += 1
-        if self.mode == "replay":
-            return lambda: self.iteration(b)
-        # warm-up on a side stream (lazy library set-up happens outside the capture), then capture
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        cuda = self.mode == "cuda"
+        side = torch.cuda.Stream() if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             for _ in range(2):
                 self.iteration(b)
                 self.lengths.zero_()
+        if not cuda:
+            return lambda: self.iteration(b)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if not self.sampling.greedy:
