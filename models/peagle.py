@@ -3,9 +3,9 @@
 Slot 1 is the ordinary EAGLE-3 step (token x_{t+1}, fused target feature f_t at position t);
 slots 2..K sit at positions t+1 .. t+K-1 and read a mask token id in place of the token not
 yet drafted and a learned shared ``mask_hidden`` (a fused-feature input, [1, 1, n_aux * H], fed
-through the same fc as real features) in place of the missing target state. Slot d attends to
-the real context up to t and to slots 1..d-1, so all K come from one causal forward over
-``[context..., mask x (K-1)]``. The embedding is trained (a copy of the target's, saved with the
+through the same fc as real features) in place of the missing target state. Each mask slot
+attends to the real context up to t and to the mask slots before it, so all K come from one
+causal forward over ``[context..., mask x (K-1)]``. The embedding is trained (a copy of the target's, saved with the
 drafter) unless ``train_embedding: false``. Training samples the slots by COD
 (losses/peagle.py). Layout and tensor names are speculators 0.9's ``PEagleDraftModel``
 (export/peagle_speculators.py), with the drafter's own embedding named ``token_embedding``.
