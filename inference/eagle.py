@@ -17,7 +17,7 @@ import torch
 
 from draftlab.inference.proposer import PROPOSERS, DraftsOnDevice, Proposer, RowProposers, draft_vocab_size
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree, StaticTree, check_decoding
-from draftlab.inference.spec_loop import DeviceDrafter
+from draftlab.inference.spec_loop import DeviceDrafter, grow_dynamic_tree, tree_nodes
 from draftlab.kernels.cpu_gemm import decoding_copy
 from draftlab.models.target import CacheStep, RaggedKVCache
 
@@ -42,10 +42,10 @@ class EagleProposer(Proposer, DraftsOnDevice):
     def refuses_on_device(self, shape) -> str | None:
         if not isinstance(shape, DynamicTree):
             return super().refuses_on_device(shape)
-        k = min(shape.top_k, shape.total_tokens, self.draft_vocab or shape.top_k)
-        grown = k + (shape.max_depth - 1) * k * k
+        grown = tree_nodes(shape, self.draft_vocab)
         if grown < shape.total_tokens:  # a tree of static shape keeps exactly total_tokens nodes
-            return f"a tree of depth {shape.max_depth} and top-k {k} grows {grown} nodes, fewer than tree.total_tokens={shape.total_tokens}"
+            return (f"a tree of depth {shape.max_depth} and top-k {min(shape.top_k, shape.total_tokens)} grows {grown} nodes, "
+                    f"fewer than tree.total_tokens={shape.total_tokens}")
         return None
 
     def on_device(self, rows: int, room: int, shape) -> "EagleOnDevice":
@@ -421,45 +421,28 @@ class EagleOnDevice(DeviceDrafter):
         return torch.stack(out, 1)
 
     def draft_tree(self, b: int, shape: DynamicTree):
-        """EAGLE-2's dynamic tree with static shapes: the root's top-k, then at each depth the k
-        best children (by cumulative log-prob) of the k frontier nodes become the next frontier;
-        of every candidate (k + (depth - 1) k^2) the ``total_tokens`` best are kept, a parent
-        before its children on ties (its score is never lower). One drafter forward per depth
-        over the k frontier nodes, written past the row's length, each seeing the committed
-        prefix, its ancestors' slots and itself."""
-        d, rows = self.drafter, slice(0, b)
-        dev, S, N = self.k.device, self.k.shape[3], shape.total_tokens
-        lp = self.last_logits[rows].float().log_softmax(-1)
-        K = min(shape.top_k, N, lp.shape[-1])
-        score, tok = lp.topk(K)  # the root's children: candidates 0..K-1
-        scores, tokens, parents = [score], [tok], [torch.full_like(tok, -1)]
-        frontier = torch.arange(K, device=dev).expand(b, K)  # candidate ids of the frontier nodes
-        feats = self.last_h[rows].expand(b, K, -1)
-        committed = self.lengths[rows]
-        span = torch.arange(S, device=dev)
-        ancestors = torch.zeros(b, K, S, dtype=torch.bool, device=dev)
-        offset = K
-        for depth in range(1, shape.max_depth):
+        """EAGLE-2's dynamic tree (:func:`grow_dynamic_tree`): one drafter forward per depth over
+        the frontier, written past the row's length, each node seeing the committed prefix, its
+        ancestors' slots and itself, fed its parent's output feature."""
+        d, rows, dev = self.drafter, slice(0, b), self.k.device
+        S, committed, span = self.k.shape[3], self.lengths[rows], torch.arange(self.k.shape[3], device=dev)
+        state = {"h": self.last_h[rows], "seen": None}  # the frontier's parents' features and slots
+
+        def expand(depth, tok, parent):
+            K = tok.shape[1]
+            h, seen = state["h"], state["seen"]
+            if parent is None:
+                feats, seen = h.expand(b, K, -1), torch.zeros(b, K, S, dtype=torch.bool, device=dev)
+            else:
+                feats, seen = h.gather(1, parent[..., None].expand(-1, -1, h.shape[-1])), seen.gather(1, parent[..., None].expand(-1, -1, S))
             slots = committed + (depth - 1) * K + torch.arange(K, device=dev)  # [b, K]
-            ancestors = ancestors | (span == slots[..., None])
-            step = CacheStep(committed + depth - 1 + 0 * slots, (span < committed[..., None]) | ancestors, slots, [(0, b, S)])
-            h = self._step(rows, d.to_target_ids(tok), feats, step)
-            clp, cid = d.head(h).float().log_softmax(-1).topk(K, dim=-1)  # [b, K, K]
-            flat = (score[..., None] + clp).flatten(1)
-            scores.append(flat)
-            tokens.append(cid.flatten(1))
-            parents.append(frontier.repeat_interleave(K, dim=1))
-            score, best = flat.topk(K)
-            parent = best // K  # the frontier node each new frontier node hangs from
-            tok, frontier = cid.flatten(1).gather(1, best), offset + best
-            feats = h.gather(1, parent[..., None].expand(-1, -1, h.shape[-1]))
-            ancestors = ancestors.gather(1, parent[..., None].expand(-1, -1, S))
-            offset += K * K
-        scores, tokens, parents = (torch.cat(x, 1) for x in (scores, tokens, parents))
-        kept = torch.sort(-scores, dim=1, stable=True).indices[:, :N].sort(1).values  # by candidate id: parents first
-        node = torch.zeros_like(scores, dtype=torch.long).scatter_(1, kept, torch.arange(1, N + 1, device=dev).expand(b, N))
-        up = parents.gather(1, kept)
-        return d.to_target_ids(tokens.gather(1, kept)), torch.where(up < 0, 0, node.gather(1, up.clamp(min=0)))
+            seen = seen | (span == slots[..., None])
+            step = CacheStep(committed + depth - 1 + 0 * slots, (span < committed[..., None]) | seen, slots, [(0, b, S)])
+            state["h"], state["seen"] = self._step(rows, d.to_target_ids(tok), feats, step), seen
+            return d.head(state["h"]).float().log_softmax(-1)
+
+        tokens, parents = grow_dynamic_tree(self.last_logits[rows].float().log_softmax(-1), shape, expand)
+        return d.to_target_ids(tokens), parents
 
     def extend(self, b, tokens, hidden, counts) -> None:
         d, rows = self.drafter, slice(0, b)

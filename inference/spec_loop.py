@@ -212,6 +212,43 @@ def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, to
     return depth, seen
 
 
+def grow_dynamic_tree(root: torch.Tensor, shape: DynamicTree, expand) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2's dynamic tree with static shapes, from the root's log-probs ``root`` [b, V]: the
+    root's top-k, then at each depth the k best children (by cumulative log-prob) of the k
+    frontier nodes become the next frontier; of every candidate (k + (depth - 1) k^2) the
+    ``total_tokens`` best are kept, a parent before its children on ties (it never scores lower).
+    ``expand(depth, tokens, parent)`` gives the children's log-probs [b, k, V] of the frontier
+    nodes at ``depth`` (``tokens`` [b, k] their draft ids; ``parent`` [b, k] each one's index in
+    the frontier before, None at depth 1). Returns draft ids [b, N] and parents [b, N] (0: the
+    root; node i's parent precedes it)."""
+    b, dev, N = root.shape[0], root.device, shape.total_tokens
+    K = min(shape.top_k, N, root.shape[-1])
+    score, tok = root.topk(K)  # the root's children: candidates 0..K-1
+    scores, tokens, parents = [score], [tok], [torch.full_like(tok, -1)]
+    frontier, parent, offset = torch.arange(K, device=dev).expand(b, K), None, K  # frontier: candidate ids
+    for depth in range(1, shape.max_depth):
+        clp, cid = expand(depth, tok, parent).topk(K, dim=-1)  # [b, K, K]
+        flat = (score[..., None] + clp).flatten(1)
+        scores.append(flat)
+        tokens.append(cid.flatten(1))
+        parents.append(frontier.repeat_interleave(K, dim=1))
+        score, best = flat.topk(K)
+        parent = best // K
+        tok, frontier = cid.flatten(1).gather(1, best), offset + best
+        offset += K * K
+    scores, tokens, parents = (torch.cat(x, 1) for x in (scores, tokens, parents))
+    kept = torch.sort(-scores, dim=1, stable=True).indices[:, :N].sort(1).values  # by candidate id: parents first
+    node = torch.zeros_like(tokens).scatter_(1, kept, torch.arange(1, N + 1, device=dev).expand(b, N))
+    up = parents.gather(1, kept)
+    return tokens.gather(1, kept), torch.where(up < 0, 0, node.gather(1, up.clamp(min=0)))
+
+
+def tree_nodes(shape: DynamicTree, draft_vocab: int | None) -> int:
+    """The candidates :func:`grow_dynamic_tree` scores: it keeps ``total_tokens`` of them."""
+    k = min(shape.top_k, shape.total_tokens, draft_vocab or shape.top_k)
+    return k + (shape.max_depth - 1) * k * k
+
+
 def _move_slots(cache: RaggedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Every layer's K/V of row b at slots ``src[b]`` to slots ``dst[b]`` ([B, n] each; read
     before written)."""
