@@ -27,8 +27,8 @@ import torch
 from draftlab.inference.proposer import PROPOSERS, BatchProposer, DraftsOnDevice, OwnModel, RowProposers, draft_vocab_size
 from draftlab.inference.sampling import Sampling
 from draftlab.inference.shapes import Chain, ChainDraft, DraftTree, DynamicTree, StaticTree
-from draftlab.inference.spec_loop import DeviceDrafter
-from draftlab.models.target import RaggedKVCache, Target
+from draftlab.inference.spec_loop import DeviceDrafter, grow_dynamic_tree, tree_nodes
+from draftlab.models.target import CacheStep, RaggedKVCache, Target
 
 # Cache slots allocated beyond the longest prompt; the cache doubles when a row needs more.
 ROOM = 256
@@ -53,6 +53,11 @@ class DraftLMProposer(BatchProposer, OwnModel, DraftsOnDevice):
     def rows(self, n: int) -> RowProposers:
         """Every row's drafts from one draft-LM forward per draft position (:class:`DraftLMRows`)."""
         return DraftLMRows(self, n)
+
+    def refuses_on_device(self, shape) -> str | None:
+        if isinstance(shape, DynamicTree) and tree_nodes(shape, self.draft_vocab) < shape.total_tokens:
+            return f"a tree of depth {shape.max_depth} grows {tree_nodes(shape, self.draft_vocab)} nodes, fewer than tree.total_tokens"
+        return None if isinstance(shape, DynamicTree) else super().refuses_on_device(shape)
 
     def on_device(self, rows: int, room: int, shape) -> "DraftLMOnDevice":
         return DraftLMOnDevice(getattr(self.lm, "target", self.lm), rows, room)
@@ -373,6 +378,25 @@ class DraftLMOnDevice(DeviceDrafter):
             tok = self.lm.shared_lm_head(h[:, -1]).max(-1).indices
             out.append(tok)
         return torch.stack(out, 1)
+
+    def draft_tree(self, b: int, shape: DynamicTree):
+        """EAGLE-2's dynamic tree (:func:`grow_dynamic_tree`): one draft-LM forward per depth over
+        the frontier, written past the row's length, each node seeing the committed prefix, its
+        ancestors' slots and itself."""
+        dev, S, L = self.lengths.device, self.cache.max_len, self.lm.num_layers
+        cache = RaggedKVCache(self.cache.k[:, :b], self.cache.v[:, :b], [], static=True)
+        committed, span, seen = self.lengths[:b], torch.arange(S, device=dev), [None]
+
+        def expand(depth, tok, parent):
+            K = tok.shape[1]
+            was = torch.zeros(b, K, S, dtype=torch.bool, device=dev) if parent is None else seen[0].gather(1, parent[..., None].expand(-1, -1, S))
+            slots = committed + (depth - 1) * K + torch.arange(K, device=dev)
+            seen[0] = was | (span == slots[..., None])
+            step = CacheStep(committed + depth - 1 + 0 * slots, (span < committed[..., None]) | seen[0], slots, [(0, b, S)])
+            h = self.lm.forward_step(tok, cache, step, layers=[L], logits=None).hidden[L]
+            return self.lm.shared_lm_head(h).float().log_softmax(-1)
+
+        return grow_dynamic_tree(self.logits[:b].float().log_softmax(-1), shape, expand)
 
     def extend(self, b, tokens, hidden, counts) -> None:
         h = self._hidden(b, tokens, self.lengths[:b])

@@ -143,12 +143,13 @@ TREE = DynamicTree(depth=3, top_k=3, total_tokens=8)
 STATIC = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-@pytest.mark.parametrize("family,shape", [("eagle", TREE), ("medusa", STATIC)])
+@pytest.mark.parametrize("family,shape", [("eagle", TREE), ("medusa", STATIC), ("draft_lm", TREE)])
 def test_trees_equal_the_host_loop(tiny_llama, prompts, eagle, family, shape):
-    """Trees drafted with tensor ops (EAGLE-2's dynamic tree, Medusa's static tree), verified
-    with the tree mask and accepted on the device, the accepted path's K/V moved in place: the
-    host loop's tokens and accepted depths, eager and replayed; sampling runs."""
-    proposer = eagle if family == "eagle" else _medusa(tiny_llama)
+    """Trees drafted with tensor ops (EAGLE-2's dynamic tree by EAGLE and a draft LM, Medusa's
+    static tree), verified with the tree mask and accepted on the device, the accepted path's
+    K/V moved in place: the host loop's tokens and accepted depths, eager and replayed; sampling
+    runs."""
+    proposer = eagle if family == "eagle" else _medusa(tiny_llama) if family == "medusa" else _draft_lm(tiny_llama)
     host = _decode(tiny_llama, proposer, prompts[:3], shape, "host")
     for target in (tiny_llama, GraphedTarget(tiny_llama, mode="replay")):
         dev = _decode(target, proposer, prompts[:3], shape, "device")
