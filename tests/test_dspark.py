@@ -278,3 +278,38 @@ def test_bad_imports_are_one_line_errors(change, match, made, tiny_llama, tmp_pa
     with pytest.raises(DraftlabError) as e:
         import_checkpoint(src, "speculators-dspark", tmp_path / "out", tiny_llama)
     assert_one_line(e, match)
+
+
+# ---------------------------------------------------------------------------- the entry point
+@pytest.mark.slow
+def test_train_entry_point_trains_evaluates_and_exports(tmp_path, tiny_target_dirs):
+    """train/dspark.py end to end on the tiny target: memory capture, a checkpoint and its report
+    (greedy-exact, every block position), then the checkpoint decodes with the confidence cut."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from draftlab.models.target import Target
+    from tiny import write_chat
+
+    repo = Path(__file__).resolve().parent.parent
+    recipe = {
+        "algorithm": "dspark", "output_dir": str(tmp_path / "run"), "target": {"model": str(tiny_target_dirs["llama"])},
+        "drafter": {"num_layers": 1, "block_size": 4, "target_layers": [1, 3], "draft_vocab_size": 64, "markov_rank": 8},
+        "loss": {"anchors": 8, "l1_weight": 0.2},
+        "data": {"source": str(write_chat(tmp_path / "chat.jsonl", 12, assistant_words=20)), "max_length": 96, "heldout": 2},
+        "capture": {"mode": "memory"},
+        "train": {"max_steps": 4, "batch_tokens": 512, "checkpoint_every": 4, "warmup_steps": 1, "lr": 1e-2},
+        "eval": {"num_prompts": 2, "max_new_tokens": 8, "method": "block", "k": 3, "min_confidence": 0.2},
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    res = subprocess.run([sys.executable, "train/dspark.py", str(tmp_path / "r.yaml")], cwd=repo, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1500)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((tmp_path / "run" / "eval" / "latest.json").read_text())
+    assert report["greedy_match"] == "2/2" and report["method"] == "block" and report["min_confidence"] == 0.2
+    proposer = load_proposer(tmp_path / "run" / "checkpoints" / "step-0000004", Target.load(str(tiny_target_dirs["llama"])))
+    assert isinstance(proposer, DSparkProposer)
