@@ -3,18 +3,21 @@ drafter, as tensor ops over static buffers, one captured graph per batch bucket.
 
 :class:`~draftlab.inference.decoder.Decoder` runs its stepwise loop on the host: per-row lists,
 shapes that follow the rows, what a CPU wants. On a GPU that host work and the launches of a
-small model's kernels cost more than the forwards (BENCHMARKS.md, "GPU decoding"), so a chain
-decoding whose drafter drafts with tensor ops (:class:`~draftlab.inference.proposer.DraftsOnDevice`,
-or none: plain decoding) runs here instead, on CUDA by default (``Decoder(loop=...)``):
+small model's kernels cost more than the forwards (BENCHMARKS.md, "GPU decoding"), so a decoding
+whose drafter drafts with tensor ops (:class:`~draftlab.inference.proposer.DraftsOnDevice`: chains
+and blocks, and the trees a family grows on the device; or none: plain decoding) runs here
+instead, on CUDA by default (``Decoder(loop=...)``):
 
 - **State on the device**: each row's target cache length, last token and whether it still
   decodes are tensors; the target's static KV cache and the drafter's
   (:class:`DeviceDrafter`) are written in place at each row's length and rolled back by
   setting lengths.
-- **One iteration, static shapes**: the drafter drafts k tokens per row, the target verifies
-  ``[last, d_1..d_k]`` of every row, acceptance (greedy, or rejection sampling with the seeded
-  generator) runs on the device, the accepted tokens advance the lengths and extend the drafter
-  at a fixed width k + 1. A row that finished rides along, masked (its lengths stay).
+- **One iteration, static shapes**: the drafter drafts k tokens per row (or a tree of a fixed
+  node count: :func:`grow_dynamic_tree` is EAGLE-2's with static shapes), the target verifies
+  ``[last, drafts...]`` of every row (a tree under its ancestor mask), acceptance (greedy, or
+  rejection sampling with the seeded generator) runs on the device, the accepted tokens advance
+  the lengths (a tree's path moved in place first) and extend the drafter at a fixed width. A
+  row that finished rides along, masked (its lengths stay).
 - **One graph per batch bucket** (1, 2, 4, ...: a batch rounds up to one), captured before the
   prefill, outside any timing, and kept for the next decoding of the same shape; rows move to
   the front and the next smaller bucket takes over once it holds every row still decoding.
@@ -81,8 +84,8 @@ class DeviceDrafter(ABC):
 
 
 class SpecLoop:
-    """The static buffers and graphs of chain decodings of ``rows`` rows (a bucket), ``room``
-    slots, ``k`` drafts per step (0: plain decoding), one sampling setting. ``mode``: None
+    """The static buffers and graphs of decodings of ``rows`` rows (a bucket), ``room`` slots,
+    drafting ``shape`` each step (None: plain decoding), one sampling setting. ``mode``: None
     (eager), "cuda" or "replay"."""
 
     def __init__(self, target, drafter: DeviceDrafter | None, rows: int, room: int, shape, layers, sampling: Sampling,
