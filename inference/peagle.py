@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from draftlab.inference.proposer import PROPOSERS, Proposer, draft_vocab_size
+from draftlab.inference.eagle import EagleOnDevice
+from draftlab.inference.proposer import PROPOSERS, DraftsOnDevice, Proposer, draft_vocab_size
 from draftlab.inference.shapes import Block, Chain, ChainDraft, DraftTree, DynamicTree, OptionError
+from draftlab.inference.spec_loop import grow_dynamic_tree, tree_layout, tree_nodes
 from draftlab.kernels.cpu_gemm import decoding_copy
 
 
 @PROPOSERS.register("peagle")
-class PEagleProposer(Proposer):
+class PEagleProposer(Proposer, DraftsOnDevice):
     shapes = frozenset({"chain", "block", "dynamic_tree"})
 
     def __init__(self, drafter, trained_depth: int | None = None):
@@ -100,36 +102,63 @@ class PEagleProposer(Proposer):
         full[:, d.t2d] = q  # draft ids are the kept target ids in ascending order
         return ChainDraft(d.to_target_ids(self.sampling.sample(q)), full)
 
+    def slot_tree(self, spec: DynamicTree) -> DynamicTree:
+        """``spec`` as the slots grow it: at most parallel_depth levels (deeper slots are not
+        drafted) and, on the device, exactly as many nodes as the growth scores."""
+        depth = min(spec.max_depth, self.drafter.parallel_depth)
+        return DynamicTree(depth, spec.top_k, min(spec.total_tokens, tree_nodes(DynamicTree(depth, spec.top_k, spec.total_tokens),
+                                                                                self.draft_vocab)))
+
     @torch.no_grad()
     def _tree(self, spec: DynamicTree) -> DraftTree:
-        """Depth 1 holds slot 1's top-k; each later depth expands the k best nodes of the one
-        before (by cumulative log-prob) into the next slot's top-k; the ``total_tokens`` best of
-        all are kept (a node never scores above its parent, so the kept tree is closed; ties
-        keep the shallower). At most parallel_depth levels: deeper slots are not drafted."""
-        depth_max = min(spec.max_depth, self.drafter.parallel_depth)
-        lp = self.slot_logits(depth_max).float().log_softmax(-1)
-        k = min(spec.top_k, spec.total_tokens, lp.shape[-1])
-        top, ids = lp.topk(k, dim=-1)  # [depth, k]
-        tok, parent, depth, score = ids[0].tolist(), [-1] * k, [1] * k, top[0].tolist()
-        frontier = list(range(k))
-        for level in range(1, depth_max):
-            cum = torch.tensor([score[f] for f in frontier])[:, None] + top[level].cpu()[None]  # [F, k]
-            first = len(tok)
-            for c, s in enumerate(cum.flatten().tolist()):
-                tok.append(int(ids[level, c % k]))
-                parent.append(frontier[c // k])
-                depth.append(level + 1)
-                score.append(s)
-            frontier = [first + int(c) for c in cum.flatten().topk(min(k, cum.numel())).indices]
-        kept: set[int] = set()
-        for i in sorted(range(len(tok)), key=lambda i: (-score[i], depth[i])):
-            if len(kept) == spec.total_tokens:
-                break
-            if parent[i] < 0 or parent[i] in kept:
-                kept.add(i)
-        order = sorted(kept, key=lambda i: (depth[i], -score[i]))
-        node = {i: n + 1 for n, i in enumerate(order)}  # node 0 is the root
-        dev = lp.device
-        tokens = self.drafter.to_target_ids(torch.tensor([tok[i] for i in order], device=dev))
-        parents = torch.tensor([node.get(parent[i], 0) for i in order], device=dev)
-        return DraftTree(tokens, parents, torch.tensor([depth[i] for i in order], device=dev))
+        """EAGLE-2's expansion and reranking (:func:`grow_dynamic_tree`) over the slots' log-probs:
+        depth d's children are the top-k of slot d + 1, whatever their parent, so the tree costs
+        no forward beyond the slots'."""
+        spec = self.slot_tree(spec)
+        lp = self.slot_logits(spec.max_depth).float().log_softmax(-1)[None]  # [1, depth, V_draft]
+        tokens, parents = grow_dynamic_tree(lp[:, 0], spec, lambda depth, tok, parent: lp[:, depth, None].expand(-1, tok.shape[1], -1))
+        depth, _ = tree_layout(torch.nn.functional.pad(parents, (1, 0), value=-1), spec.max_depth)
+        return DraftTree(self.drafter.to_target_ids(tokens[0]), parents[0], depth[0, 1:])
+
+    # ---- on the device ---------------------------------------------------------------
+    def refuses_on_device(self, shape) -> str | None:
+        if isinstance(shape, (Chain, Block)):
+            self.check(shape, self.drafter)
+            return None
+        if isinstance(shape, DynamicTree):
+            if self.slot_tree(shape).total_tokens < shape.total_tokens:
+                return f"its {self.drafter.parallel_depth} slots grow fewer than tree.total_tokens={shape.total_tokens} nodes"
+            return None
+        return super().refuses_on_device(shape)
+
+    def on_device(self, rows: int, room: int, shape) -> "PEagleOnDevice":
+        return PEagleOnDevice(self, rows, room)
+
+
+class PEagleOnDevice(EagleOnDevice):
+    """P-EAGLE's drafts in the device loop: ``extend`` runs the kept tokens (slot 1's logits are
+    the last one's), a draft runs the K - 1 mask slots past the row's length in one forward."""
+
+    def __init__(self, proposer: PEagleProposer, rows: int, room: int):
+        super().__init__(proposer.drafter, rows, room)
+        self.family = proposer
+
+    def _slot_logits(self, b: int, k: int) -> torch.Tensor:
+        """Draft-vocab logits [b, k, V_draft] of slots 1..k."""
+        d, rows = self.drafter, slice(0, b)
+        first = self.last_logits[rows][:, None]
+        if k == 1:
+            return first
+        ids = torch.full((b, k - 1), d.mask_token_id, dtype=torch.long, device=first.device)
+        h = self._forward(rows, ids, self.family.mask_feature.expand(b, k - 1, -1), self.lengths[rows])
+        return torch.cat([first, d.head(h)], 1)
+
+    def draft(self, b: int, k: int) -> torch.Tensor:
+        return self.drafter.to_target_ids(self._slot_logits(b, k).max(-1).indices)
+
+    def draft_tree(self, b: int, shape: DynamicTree):
+        spec = self.family.slot_tree(shape)
+        lp = self._slot_logits(b, spec.max_depth).float().log_softmax(-1)
+        tokens, parents = grow_dynamic_tree(lp[:, 0], spec,
+                                            lambda depth, tok, parent: lp[:, depth, None].expand(-1, tok.shape[1], -1))
+        return self.drafter.to_target_ids(tokens), parents

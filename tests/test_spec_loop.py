@@ -91,7 +91,20 @@ def _layerskip(target):
     return LayerSkipProposer(LayerSkip([2], target.num_layers, False))  # drafts accepted in part
 
 
-@pytest.mark.parametrize("family", [_medusa, _draft_lm, _diffusion, _layerskip])
+def _peagle(target):
+    from draftlab.inference.peagle import PEagleProposer
+    from draftlab.models.peagle import PEagleConfig, PEagleDrafter
+
+    torch.manual_seed(0)
+    d = PEagleDrafter.build(PEagleConfig(num_layers=2, parallel_depth=4, draft_vocab_size=64), target, random_samples(target, n=4))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return PEagleProposer(d.eval())
+
+
+@pytest.mark.parametrize("family", [_medusa, _draft_lm, _diffusion, _layerskip, _peagle])
 def test_other_families_equal_the_host_loop(tiny_llama, prompts, family, monkeypatch):
     """Same tokens, acceptance and drafts at every step while all rows decode (the drafts are
     compared too: a drafter whose drafts are all rejected would decode the target's tokens anyway)."""
@@ -143,19 +156,19 @@ TREE = DynamicTree(depth=3, top_k=3, total_tokens=8)
 STATIC = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
 
-@pytest.mark.parametrize("family,shape", [("eagle", TREE), ("medusa", STATIC), ("draft_lm", TREE)])
+@pytest.mark.parametrize("family,shape", [("eagle", TREE), ("medusa", STATIC), ("draft_lm", TREE), ("peagle", TREE)])
 def test_trees_equal_the_host_loop(tiny_llama, prompts, eagle, family, shape):
     """Trees drafted with tensor ops (EAGLE-2's dynamic tree by EAGLE and a draft LM, Medusa's
     static tree), verified with the tree mask and accepted on the device, the accepted path's
     K/V moved in place: the host loop's tokens and accepted depths, eager and replayed; sampling
     runs."""
-    proposer = eagle if family == "eagle" else _medusa(tiny_llama) if family == "medusa" else _draft_lm(tiny_llama)
+    proposer = eagle if family == "eagle" else {"medusa": _medusa, "draft_lm": _draft_lm, "peagle": _peagle}[family](tiny_llama)
     host = _decode(tiny_llama, proposer, prompts[:3], shape, "host")
     for target in (tiny_llama, GraphedTarget(tiny_llama, mode="replay")):
         dev = _decode(target, proposer, prompts[:3], shape, "device")
         assert [r.tokens for r in dev.rows] == [r.tokens for r in host.rows]
         assert [r.accept_lengths for r in dev.rows] == [r.accept_lengths for r in host.rows]
-    assert family == "eagle" or sum(sum(r.accept_lengths) for r in host.rows) > 0  # EAGLE's trees: the test below
+    assert family in ("eagle", "peagle") or sum(sum(r.accept_lengths) for r in host.rows) > 0  # random EAGLEs: trees compared below
     sampled = _decode(tiny_llama, proposer, prompts[:3], shape, "device", temperature=1.0, seed=1)
     assert all(len(r.tokens) == N_NEW for r in sampled.rows)
 
