@@ -90,10 +90,11 @@ class DiffusionProposer(Proposer, DraftsOnDevice):
     def on_device(self, rows: int, room: int, shape) -> "DiffusionOnDevice":
         return DiffusionOnDevice(self, rows, room)
 
-    def device_block(self, states: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts Long[b, k] (target ids) from the states [b, k, H] of every row's block:
-        :meth:`draft_block` as tensor ops over rows (a family drafting otherwise overrides both)."""
-        return self.drafter.to_target_ids(self.drafter.readout(states).max(-1).indices)
+    def device_block(self, states: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts Long[b, k] (target ids) from the states [b, k, H] of every row's block
+        (``last`` [b]: each row's last token): :meth:`draft_block` as tensor ops over rows (a
+        family drafting otherwise overrides both)."""
+        return self.drafter.to_target_ids(self.drafter.readout(states).argmax(-1))
 
     def batched(self, n: int, shape) -> RowProposers:
         """Every row's block from one drafter forward (:class:`DiffusionRows`)."""
@@ -184,7 +185,7 @@ class DiffusionOnDevice(DeviceDrafter):
         seen = torch.arange(S, device=dev)[None] < self.lengths[:b]  # [b, S]: each row's context
         mask = torch.cat([seen, seen.new_ones(b, G)], 1)[:, None].expand(b, G, S + G)
         kv = [(self.k[i, :b], self.v[i, :b]) for i in range(self.k.shape[0])]
-        return self.family.device_block(d.block_states(ids, positions, kv, mask)[:, 1 : k + 1])
+        return self.family.device_block(d.block_states(ids, positions, kv, mask)[:, 1 : k + 1], self.last[:b])
 
     def extend(self, b, tokens, hidden, counts) -> None:
         self._write(slice(0, b), hidden, self.lengths[:b])

@@ -11,7 +11,8 @@ lossless).
 ``Block.min_confidence`` > 0 (adaptive verification): the confidence head predicts each slot's
 acceptance given its prefix was accepted; the block stops before the slot at which the product
 of those predictions drops below the threshold (possibly before the first: a step with no
-drafts, the target's own token only). 0 drafts the whole block.
+drafts, the target's own token only). 0 drafts the whole block, which the device loop
+(:mod:`~draftlab.inference.spec_loop`) also runs: greedy drafts of every row at once.
 """
 
 from __future__ import annotations
@@ -54,3 +55,13 @@ class DSparkProposer(DiffusionProposer):
         if probs:
             full[:, d.t2d] = torch.stack(probs).to(full.dtype)  # draft ids are the kept target ids in ascending order
         return ChainDraft(out, full)
+
+    def device_block(self, states: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """:meth:`draft_block`'s greedy drafts for every row at once: slot j's logits biased by
+        the Markov head's embedding of the token drafted before it (``last`` [b] for slot 1)."""
+        d = self.drafter
+        base, prev, out = d.readout(states), last, []
+        for j in range(states.shape[1]):
+            prev = d.to_target_ids((base[:, j] + d.markov_head.bias(states[:, j], d.markov_head.embed(prev))).argmax(-1))
+            out.append(prev)
+        return torch.stack(out, 1)

@@ -74,14 +74,24 @@ def _draft_lm(target):
     return DraftLMProposer(d)
 
 
-def _diffusion(target):
-    d = DiffusionDrafter.build(DiffusionConfig(num_layers=2, block_size=4, target_layers=[1, 3], draft_vocab_size=64), target,
-                               random_samples(target, n=6, T=40))
+def _diffusion(target, dspark=False):
+    from draftlab.inference.dspark import DSparkProposer
+    from draftlab.models.dspark import DSparkConfig, DSparkDrafter
+
+    fields = dict(num_layers=2, block_size=4, target_layers=[1, 3], draft_vocab_size=64)
+    if dspark:
+        d = DSparkDrafter.build(DSparkConfig(**fields, markov_rank=8, markov_head_type="gated"), target, random_samples(target, n=6, T=40))
+    else:
+        d = DiffusionDrafter.build(DiffusionConfig(**fields), target, random_samples(target, n=6, T=40))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # every weight away from its init (o_proj and down_proj start at zero)
         for p in d.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return DiffusionProposer(d.eval())
+    return (DSparkProposer if dspark else DiffusionProposer)(d.eval())
+
+
+def _dspark(target):
+    return _diffusion(target, dspark=True)
 
 
 def _layerskip(target):
@@ -104,12 +114,12 @@ def _peagle(target):
     return PEagleProposer(d.eval())
 
 
-@pytest.mark.parametrize("family", [_medusa, _draft_lm, _diffusion, _layerskip, _peagle])
+@pytest.mark.parametrize("family", [_medusa, _draft_lm, _diffusion, _dspark, _layerskip, _peagle])
 def test_other_families_equal_the_host_loop(tiny_llama, prompts, family, monkeypatch):
     """Same tokens, acceptance and drafts at every step while all rows decode (the drafts are
     compared too: a drafter whose drafts are all rejected would decode the target's tokens anyway)."""
     proposer = family(tiny_llama)
-    shape = Block(3) if family is _diffusion else Chain(3)
+    shape = Block(3) if family in (_diffusion, _dspark) else Chain(3)
     drafted = {"host": [], "device": []}
     batched = proposer.batched
 
