@@ -18,7 +18,7 @@ export/dflash.py's speculators layout (same backbone tensors, same vocabulary ru
 Checked against speculators 0.9.0 (``models/dspark/{config,core,model_definitions}.py``): the
 test-suite loads the export with ``DSparkDraftModel.from_pretrained`` (no missing, unexpected or
 mismatched keys) and compares its biased block logits and confidences with draftlab's. SGLang's
-DSPARK loader reads this same speculators config (/work/shared/docs/methods-served.md); its code
+DSPARK loader reads this same speculators config (SGLang's DSpark documentation); its code
 was not read or run here, and neither was vLLM's: whether either honours ``sample_from_anchor:
 false`` for dspark is unverified (speculators' own forward does).
 """

@@ -1,5 +1,5 @@
 """DSpark: the block diffusion (DFlash) drafter of models/diffusion.py plus two heads over its
-final-normed slot states (/work/shared/docs/methods-served.md, "DSpark"; served by vLLM
+final-normed slot states (the DSpark paper; speculators 0.9.0 ``models/dspark``; served by vLLM
 ``method: dspark`` and SGLang ``DSPARK``, export/dspark.py).
 
 * Markov head: a low-rank logit bias ``B[prev] = W2 W1[prev]`` indexed by the target-vocabulary
