@@ -13,11 +13,19 @@ maps, EAGLE-3.1 ``fc_norm``) plus
 * ``speculators_config``'s ``speculative_tokens``: the slots drafted per forward (speculators
   writes ``num_depths`` there), at most the drafter's ``parallel_depth``;
 * ``norm_output`` is always false: no slot reads another's output state.
+
+``draftlab check`` / ``export --check`` load the export with speculators' ``PEagleDraftModel``
+and draft greedy chains with its own forward (:class:`SpeculatorsPEaglePeer`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from draftlab.errors import DraftlabError
+from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.eagle3_speculators import SpeculatorsEagle3
 from draftlab.export.formats import ExportOptions, register, speculators_config
 
@@ -64,6 +72,18 @@ class SpeculatorsPEagle(SpeculatorsEagle3):
             "`norm_before_residual: false` is written explicitly (vLLM defaults a missing key to true).",
         ]
 
+    # ---- served equals trained (export/check.py) ------------------------------------
+    def detect(self, config):
+        return config.get("speculators_model_type") == "peagle"
+
+    def peer_proposer(self, out, config, drafter, target):
+        try:
+            from speculators import SpeculatorModelConfig
+            from speculators.models.peagle import core
+        except ImportError:
+            return None
+        return SpeculatorsPEaglePeer(out, drafter, target, SpeculatorModelConfig, core)
+
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators peagle config.json"
@@ -83,6 +103,87 @@ class SpeculatorsPEagle(SpeculatorsEagle3):
             raise DraftlabError(f"{where}: mask_token_id is missing")
         # a checkpoint with an embedding trained its own; one without shares the verifier's
         return {**meta, "parallel_depth": k, "mask_token_id": mask, "train_embedding": "token_embedding.weight" in tensors}
+
+
+class SpeculatorsPEaglePeer(PeerProposer):
+    """Drafts with speculators' ``PEagleDraftModel`` built from the export's config.json, weights
+    loaded strictly (the verifier's norm/head, unused to draft, and a shared embedding are the
+    target's or its own, as speculators fills them), through its own P-EAGLE ``forward``.
+
+    That forward is its training one: it lays out the slots COD sampling draws (anchor, depth)
+    and runs them under its P-EAGLE attention. For a draft the layout is pinned to depth 0 at
+    every kept position plus depths 1..k-1 anchored at the last one (its mask slots at
+    positions N..N+k-2): slot 1 is the depth-0 output at N - 1, slot j >= 2 the mask slot at
+    depth j - 1 -- all k drafts from one forward, as vLLM drafts them. draftlab's logits are its
+    training forward's (``parallel_forward``) on the same slots."""
+
+    peer = "speculators PEagleDraftModel"
+
+    def __init__(self, out, drafter, target, config_cls, core):
+        from draftlab.checkpoint import read_weights
+
+        super().__init__(drafter.capture_layers, drafter)
+        cfg = config_cls.from_pretrained(str(out))
+        cfg.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path here
+        m = core.PEagleDraftModel(cfg)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+        if not cfg.embed_requires_grad:  # no embedding of its own: the verifier's
+            state.setdefault("embed_tokens.weight", target.embed_tokens.weight.detach().float().cpu())
+        for k in ("verifier_norm.weight", "verifier_lm_head.weight"):  # training targets only
+            state.setdefault(k, m.state_dict()[k])
+        if m.d2t is None:  # a full vocabulary: speculators' model has no maps (and ignores identity ones)
+            state.pop("d2t", None), state.pop("t2d", None)
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: speculators' PEagleDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.core, self.aux = m.float().eval(), core, list(cfg.eagle_aux_hidden_state_layer_ids)
+        from speculators.losses import resolve_loss_config
+
+        self.loss = resolve_loss_config("kl_div", "eager")  # its forward computes a loss; the fused one is a GPU kernel
+
+    @contextlib.contextmanager
+    def _layout(self, anchor, depth):
+        """Pin speculators' COD draw (a module global its forward calls) to ``anchor``/``depth``."""
+        core, draw = self.core, self.core.generate_cod_sample_indices
+        core.generate_cod_sample_indices = lambda **kw: (anchor, depth)
+        try:
+            yield
+        finally:
+            core.generate_cod_sample_indices = draw
+
+    def draft(self, k):
+        m, N = self.model, self.ids.numel() - 1
+        T = N + k - 1  # the mask slots' positions follow the kept ones; their inputs are the mask's
+        anchor = torch.cat([torch.arange(N), torch.full((k - 1,), N - 1)])
+        depth = torch.cat([torch.zeros(N, dtype=torch.long), torch.arange(1, k)])
+        hidden = self.padded(k - 1)
+        H = hidden[self.aux[0]].shape[-1]
+        tokens = torch.cat([self.ids[1:], torch.zeros(k - 1, dtype=torch.long)])[None]  # position t pairs f_t with x_{t+1}
+        logits = []
+        hook = m.lm_head.register_forward_hook(lambda mod, args, o: logits.append(o[0]))
+        try:
+            with self._layout(anchor, depth):
+                m(hidden_states=torch.cat([hidden[i] for i in self.aux], -1), input_ids=tokens, document_ids=torch.zeros_like(tokens),
+                  verifier_last_hidden_states=torch.zeros(1, T, H),  # its loss's targets only
+                  num_depths=k, loss_config=self.loss)
+        finally:
+            hook.remove()
+        theirs = logits[0][N - 1 :]  # slot 1, then the mask slots in depth order
+        d = theirs.argmax(-1)  # draft-vocabulary ids; the engine feeds on target ids, through d2t
+        if m.d2t is not None:
+            d = d + m.d2t[d]
+        ours = peagle_reference(self.drafter, self.ids, self.padded(1), k)
+        return d.tolist(), [max_diff(a, b) for a, b in zip(theirs, ours)]
+
+
+def peagle_reference(drafter, ids, hidden, k):
+    """draftlab's slot logits [k, V_draft] after ``ids`` (N + 1 tokens; ``hidden``: N + 1
+    positions, the last a pad): its training forward with every depth anchored at N - 1."""
+    N = ids.numel() - 1
+    with torch.no_grad():
+        out = drafter.parallel_forward(ids[None], hidden, [torch.tensor([N - 1])] * (k - 1))
+        return drafter.head(torch.cat([out[0][N - 1 : N], *out[1:]]))
 
 
 register(SpeculatorsPEagle())

@@ -4,7 +4,10 @@ An untouched export passes and prints alpha_j / tau of draftlab's proposer and o
 model class side by side; an edited config field (max_position_embeddings, a dropped fc_norm
 flag, the aux layers), an edited tensor or a peer that drafts something else fails with one line
 naming the field, tensor or draft position. Peers are optional (importorskip), as in
-tests/test_export.py.
+tests/test_export.py. P-EAGLE (speculators ``PEagleDraftModel``, k slots from one forward) and
+DSpark (``DSparkDraftModel``, its block drafted left to right through the Markov head) are checked
+the same way: equal drafts and per-position logits, edited fields (mask_token_id, markov_rank,
+block_size, ...) and a peer computing something else fail in one line.
 """
 
 import json
@@ -281,3 +284,112 @@ def test_first_difference_walks_nested_keys():
     assert first_difference({**want, "b": {"c": [1, 3], "d": True}}, want, set()) == ("b.c[1]", 3, 2)
     assert first_difference({**want, "b": {"c": [1, 2], "d": 1}}, want, set()) == ("b.d", 1, True)  # 1 is not true
     assert first_difference({**want, "free": 2, "extra": 0}, want, {"free"}) == ("extra", 0, "(absent)")
+
+
+# ---------------------------------------------------------------------------- P-EAGLE and DSpark (speculators)
+def _peagle(target, **kw):
+    from draftlab.models.peagle import PEagleConfig, PEagleDrafter
+
+    cfg = {"num_layers": 1, "parallel_depth": 4, "draft_vocab_size": 64, "fc_norm": True, **kw}
+    return _perturb(PEagleDrafter.build(PEagleConfig(**cfg), target, _samples(target)))
+
+
+def _dspark(target):
+    from draftlab.models.dspark import DSparkConfig, DSparkDrafter
+
+    cfg = DSparkConfig(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, markov_rank=8, markov_head_type="gated")
+    return _perturb(DSparkDrafter.build(cfg, target, _samples(target, T=40)))
+
+
+FAMILIES = {"peagle": (_peagle, "speculators.models.peagle", "speculators PEagleDraftModel"),
+            "dspark": (_dspark, "speculators.models.dspark", "speculators DSparkDraftModel"),
+            # the verifier's embedding and full vocabulary (the export's identity d2t/t2d, which speculators ignores)
+            "peagle-shared": (lambda t: _peagle(t, draft_vocab_size=0, train_embedding=False, fc_norm=False), "speculators.models.peagle",
+                              "speculators PEagleDraftModel")}
+
+
+@pytest.fixture(scope="module")
+def family_exports(tiny_llama, tmp_path_factory):
+    """family -> (checkpoint, its untouched vLLM (speculators) export), built on first use."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            torch.manual_seed(0)
+            c = _save(FAMILIES[family][0](tiny_llama), tiny_llama, root / "ckpt")
+            made[family] = c, export_checkpoint(c, "vllm", root / "vllm", tiny_llama, ExportOptions(speculative_tokens=K))
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_untouched_new_family_export_drafts_what_draftlab_drafts(family, family_exports, tiny_llama, data):
+    """Every draft position of every step is compared: tokens equal, peer logits within LOGIT_ATOL."""
+    _, module, peer = FAMILIES[family]
+    pytest.importorskip(module)
+    c, out = family_exports(family)
+    report, lines = _check(out, c, tiny_llama, data)
+    assert report.peer is not None and report.peer.label == peer and report.steps > 0 and report.k == K
+    assert report.ours.drafts == report.peer.drafts
+    diffs = [row for prompt in report.peer.logit_diffs for row in prompt]
+    assert len(diffs) == report.steps and all(len(row) == K and None not in row for row in diffs)
+    assert 0 < report.worst_logit_diff <= LOGIT_ATOL  # float noise, not an identity comparison
+    assert report.ours.stats.alpha == report.peer.stats.alpha and report.ours.stats.tau == report.peer.stats.tau
+    assert peer in "\n".join(lines) and "drafts equal at all" in lines[-1]
+
+
+@pytest.mark.parametrize("family", ["peagle", "dspark"])
+def test_new_family_export_check_cli(family, tiny_llama, data, tmp_path, capsys):
+    """``draftlab export ... --check`` picks the family's peer through the format's hooks."""
+    make, module, peer = FAMILIES[family]
+    pytest.importorskip(module)
+    torch.manual_seed(0)
+    c = _save(make(tiny_llama), tiny_llama, tmp_path / "ckpt")
+    code = cli_main(["export", str(c), "--to", "vllm", str(tmp_path / "out"), "--target", tiny_llama.identity["name"], "--check",
+                     "--data", data, "--num-prompts", "1", "--max-new-tokens", "6", "--num-speculative-tokens", str(K)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert peer in text and "alpha_1" in text and "drafts equal at all" in text
+
+
+@pytest.mark.parametrize("family,edit,match", [
+    ("peagle", lambda c: c.update(mask_token_id=c["mask_token_id"] - 1), r"config field mask_token_id is \d+ in the export, \d+ from the checkpoint"),
+    ("peagle", lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=4),
+     r"config field speculators_config\.proposal_methods\[0\]\.speculative_tokens is 4 in the export, 3 "),
+    ("peagle", lambda c: c.update(embed_requires_grad=False), r"config field embed_requires_grad is false in the export, true "),
+    ("dspark", lambda c: c.update(markov_rank=16), r"config field markov_rank is 16 in the export, 8 from the checkpoint"),
+    ("dspark", lambda c: c.update(block_size=5), r"config field block_size is 5 in the export, 4 from the checkpoint"),
+    ("dspark", lambda c: c.update(markov_head_type="vanilla"), r"config field markov_head_type is \"vanilla\" in the export, \"gated\" "),
+])
+def test_new_family_edited_config_field_fails_with_one_line(family, edit, match, family_exports, tiny_llama, data, tmp_path):
+    c, out = family_exports(family)
+    edited = _edit_config(out, tmp_path, edit)
+    with pytest.raises(DraftlabError, match=match) as e:
+        _check(edited, c, tiny_llama, data)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family,position", [("peagle", 1), ("dspark", 0)])
+def test_new_family_peer_that_computes_something_else_fails(family, position, family_exports, tiny_llama, data, monkeypatch):
+    """A peer whose loaded model differs where config and tensors cannot show it (P-EAGLE: the mask
+    slots' mask_hidden; DSpark: the Markov head) fails at the first draft position it moves."""
+    from draftlab.export import dspark, peagle_speculators
+
+    _, module, _ = FAMILIES[family]
+    pytest.importorskip(module)
+    cls = peagle_speculators.SpeculatorsPEaglePeer if family == "peagle" else dspark.SpeculatorsDSparkPeer
+    init = cls.__init__
+
+    def other(self, *args, **kw):
+        init(self, *args, **kw)
+        g = torch.Generator().manual_seed(3)
+        p = self.model.mask_hidden if family == "peagle" else self.model.markov_head.markov_w2.weight
+        with torch.no_grad():  # added, not scaled: fc_norm would normalise a scaled mask_hidden away
+            p.add_(torch.randn(p.shape, generator=g))
+
+    monkeypatch.setattr(cls, "__init__", other)
+    c, out = family_exports(family)
+    with pytest.raises(DraftlabError, match=rf"prompt 0, step 0, draft position {position}: the peer's logits differ from draftlab's"):
+        _check(out, c, tiny_llama, data)
