@@ -319,6 +319,16 @@ class Eagle3Drafter(EagleBase):
             yield i, h
             tokens = shift_left(tokens, 1)
 
+    def compact_targets(self, batch, hidden):
+        """What a loss compares the drafts with, at the indices s it reads (``need``: those with
+        loss_mask[s+1]) only: (``need`` [B, T], the target's greedy token [n], whether it is in
+        the draft vocabulary [n], the target's draft-vocab probabilities [n, V_draft])."""
+        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
+        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
+            batch = {**batch, **self.derived_targets(hidden, batch)}
+        target_argmax = batch["target_argmax"][need]
+        return need, target_argmax, self.t2d[target_argmax], self._target_lm_head.probs(hidden[self.num_target_layers][need], self.t2d)
+
     def training_loss(self, batch, hidden, cfg: Eagle3Loss):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         B, T = ids.shape
@@ -327,12 +337,7 @@ class Eagle3Drafter(EagleBase):
         # it predicts, x_{t+2+i}, is an assistant token. So the target is needed only at indices
         # s with loss_mask[s+1]: compute it there, compactly, and gather rows per step; the head
         # and the loss run only on the positions each step counts.
-        need = shift_left(loss_mask, 1, fill=False)
-        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        target_argmax = batch["target_argmax"][need]
-        in_vocab = self.t2d[target_argmax]
-        p = self._target_lm_head.probs(hidden[self.num_target_layers][need], self.t2d)
+        need, target_argmax, in_vocab, p = self.compact_targets(batch, hidden)
         row = F.pad((need.flatten().cumsum(0) - 1).view(B, T), (0, steps + 1), value=-1)
         counted_all = F.pad(loss_mask, (0, steps + 2))
         loss = p.new_zeros(())

@@ -184,12 +184,7 @@ class PEagleDrafter(Eagle3Drafter):
         K = self.parallel_depth
         # depth d at anchor t imitates the target at s = t+1+d and counts when loss_mask[t+2+d]:
         # the target is computed at the indices s with loss_mask[s+1] only, rows gathered per depth
-        need = shift_left(loss_mask, 1, fill=False)
-        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        target_argmax = batch["target_argmax"][need]
-        in_vocab = self.t2d[target_argmax]
-        p = self._target_lm_head.probs(hidden[self.num_target_layers][need], self.t2d)
+        need, target_argmax, in_vocab, p = self.compact_targets(batch, hidden)
         row = torch.full((B, T + K + 1), -1, dtype=torch.long, device=ids.device)
         row[:, :T][need] = torch.arange(target_argmax.numel(), device=ids.device)
         padded = nn.functional.pad(loss_mask, (0, K + 2))
