@@ -103,7 +103,8 @@ class SpecLoop:
         self.result = torch.zeros(rows, self.k + 3, dtype=torch.long, device=dev)
         self.generator = torch.Generator(device=dev)
         self.sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, self.generator)
-        self.buckets = [b for b in _buckets(rows)]
+        self.buckets = [1 << i for i in range(rows.bit_length())]  # 1, 2, 4, ... rows (a power of two)
+        self.busy = False  # a decoding is using it (decodings in lockstep need one each)
         self._graphs: dict[int, object] = {}
         self.stats: Counter = Counter()  # captured, replayed, eager; steps per bucket ("rows 4")
         if drafter is not None:
@@ -261,15 +262,6 @@ def _move_slots(cache: RaggedKVCache, src: torch.Tensor, dst: torch.Tensor) -> N
         buf.scatter_(3, dst[None, :, None, :, None].expand(L, B, H, -1, D), buf.gather(3, index))
 
 
-def _buckets(rows: int) -> list[int]:
-    """1, 2, 4, ... up to ``rows`` (itself a power of two)."""
-    out, b = [], 1
-    while b <= rows:
-        out.append(b)
-        b *= 2
-    return out
-
-
 def _width(shape) -> int:
     if shape is None:
         return 0
@@ -301,7 +293,7 @@ def _loop_for(target, proposer, rows: int, room: int, shape, layers, sampling: S
         return loop
     drafter = proposer.on_device(rows, room, shape) if proposer is not None else None
     loop = SpecLoop(base, drafter, rows, room, shape, layers, sampling, mode, backend)
-    loop.owner = weakref.ref(proposer) if proposer is not None else (lambda: None)
+    loop.owner = weakref.ref(proposer) if proposer is not None else (lambda: None)  # its drafter's state is this proposer's
     if key not in kept or not kept[key].busy:
         kept[key] = loop
     return loop
