@@ -254,7 +254,7 @@ def fmt_list(xs) -> str:
 
 def results_table(rows: list[dict]) -> str:
     lines = [
-        "| family (run) | step | training min | prompts | shape | top-1 per position | top-5 per position | τ | α_j "
+        "| family (run) | step | training min | prompts | shape | top-1 per position | top-5 per position | τ ± 1 s.e. | α_j "
         "| speedup vs plain | greedy match |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -267,7 +267,8 @@ def results_table(rows: list[dict]) -> str:
             continue
         rep = row["report"]
         n = rep["num_prompts"]
-        lines.append(f"{head} {fmt(rep['tau'])} | {fmt_list(rep['alpha'])} | {fmt(rep['speedup'], 2, '×')} | "
+        tau = fmt(rep["tau"]) + (f" ± {fmt(rep['tau_se'])}" if rep.get("tau_se") is not None else "")
+        lines.append(f"{head} {tau} | {fmt_list(rep['alpha'])} | {fmt(rep['speedup'], 2, '×')} | "
                      f"{rep['greedy_match'] or DASH} |" + ("" if n else " (no prompts)"))
     return "\n".join(lines)
 
@@ -380,7 +381,8 @@ def run(argv, args) -> int:
         "Training min: the trainer's elapsed time at the checkpoint's step (target capture included, evaluation "
         "excluded). Top-1 / top-5 per position: teacher-forced agreement with the target's greedy token on the run's "
         "held-out samples (EAGLE: per TTT step, Medusa: per head), from the family's own training metrics; \"–\": "
-        "the family does not report it. τ, α_j, speedup (speculative / plain tok/s, paired per prompt in the same "
+        "the family does not report it. τ pooled over all verify steps, ± one standard error with prompts as the "
+        "sampled units (a difference of two rows: √(s.e.₁² + s.e.₂²), an upper bound, both decode the same prompts). τ, α_j, speedup (speculative / plain tok/s, paired per prompt in the same "
         "evaluation) and greedy match: greedy speculative decoding, "
         f"{args.num_prompts} prompts × {args.max_new_tokens} new tokens per set, measured now."
     )

@@ -24,7 +24,7 @@ from draftlab.errors import DraftlabError
 from draftlab.inference.batch_eval import evaluate_batches
 from draftlab.inference.decoder import Decoder, single, run_lockstep
 from draftlab.inference.decoding_spec import DecodingSpec
-from draftlab.inference.metrics import AcceptanceStats, tau_prompt_mean
+from draftlab.inference.metrics import AcceptanceStats, tau_prompt_mean, tau_standard_error
 from draftlab.inference.prompts import EvalPrompt
 from draftlab.inference.proposer import ChangesVerifier, OwnModel, PreparesPrompts, Proposer, verifying_target
 from draftlab.inference.shapes import Block, Chain, Shape, shape_fields
@@ -64,6 +64,7 @@ class _Totals:
             "num_prompts": self.prompts,
             **self.stats.to_dict(),
             "tau_prompt_mean": tau_prompt_mean(self.prompt_stats),
+            "tau_se": tau_standard_error(self.prompt_stats),
             "new_tokens": self.tokens,
             "tokens_per_s": tps,
             "baseline_tokens_per_s": base_tps,

@@ -132,6 +132,21 @@ def tau_prompt_mean(per_prompt: list[AcceptanceStats]) -> float | None:
     return sum(s.tau for s in per_prompt) / len(per_prompt) if per_prompt else None
 
 
+def tau_standard_error(per_prompt: list[AcceptanceStats]) -> float | None:
+    """One standard error of the pooled tau, prompts as the sampled units (a prompt's steps are not
+    independent: one that accepts little does so at every step). Pooled tau is a ratio of sums over
+    prompts, sum(emitted_i) / sum(steps_i); its delta-method variance is n/(n-1) * sum(z_i^2) /
+    sum(steps_i)^2 with z_i = emitted_i - tau * steps_i. None with fewer than 2 prompts."""
+    steps = [s.num_steps for s in per_prompt]
+    total = sum(steps)
+    if len(per_prompt) < 2 or total == 0:
+        return None
+    tau = sum(s.tau * s.num_steps for s in per_prompt) / total
+    z2 = sum((s.tau - tau) ** 2 * s.num_steps**2 for s in per_prompt)
+    n = len(per_prompt)
+    return (n / (n - 1) * z2) ** 0.5 / total
+
+
 def acceptance_stats(accept_lengths, k) -> AcceptanceStats:
     """Stats of per-step accepted counts where every step offered ``k`` drafts (an int) or
     ``k[i]`` drafts at step i (a list)."""

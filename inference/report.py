@@ -32,17 +32,18 @@ def _fmt(x, digits: int = 2) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """One row per category plus ``all``: prompts, tau both ways the engines count it (pooled,
-    per-prompt mean: :data:`~draftlab.inference.metrics.TAU_LABELS`), alpha_1..alpha_K,
-    tokens/s, speedup."""
+    """One row per category plus ``all``: prompts, tau both ways the engines count it (pooled, with
+    one standard error over prompts where there are two or more; per-prompt mean:
+    :data:`~draftlab.inference.metrics.TAU_LABELS`), alpha_1..alpha_K, tokens/s, speedup."""
     rows = [("all", report)] + sorted(report.get("categories", {}).items())
     k = max((len(r.get("alpha", [])) for _, r in rows), default=0)
-    head = ["category", "prompts", *TAU_LABELS.values()] + [f"α{j}" for j in range(1, k + 1)]
+    head = ["category", "prompts", f"{TAU_LABELS['tau']} ± 1 s.e.", TAU_LABELS["tau_prompt_mean"]] + [f"α{j}" for j in range(1, k + 1)]
     head += ["tok/s", "base tok/s", "speedup", "greedy match"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rows:
         alpha = list(r.get("alpha", [])) + [None] * (k - len(r.get("alpha", [])))
-        cells = [name, _fmt(r.get("num_prompts"))] + [_fmt(r.get(key)) for key in TAU_LABELS] + [_fmt(a) for a in alpha]
+        tau = _fmt(r.get("tau")) + (f" ± {_fmt(r['tau_se'])}" if r.get("tau_se") is not None else "")
+        cells = [name, _fmt(r.get("num_prompts")), tau, _fmt(r.get("tau_prompt_mean"))] + [_fmt(a) for a in alpha]
         cells += [_fmt(r.get("tokens_per_s"), 1), _fmt(r.get("baseline_tokens_per_s"), 1), _fmt(r.get("speedup")), _fmt(r.get("greedy_match"))]
         lines.append("| " + " | ".join(cells) + " |")
     if "cuda_graphs" in report:

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.inference.metrics import TAU_LABELS, AcceptanceStats, acceptance_stats, tau_prompt_mean
+from draftlab.inference.metrics import TAU_LABELS, AcceptanceStats, acceptance_stats, tau_prompt_mean, tau_standard_error
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,6 +79,19 @@ def test_tau_pooled_and_per_prompt_mean_by_hand():
     assert pooled.merge(c).tau == pytest.approx(1 + 4 / 6) and tau_prompt_mean([a, b, c]) == pytest.approx(2.0)
 
 
+def test_tau_standard_error_counts_prompts_not_steps():
+    """Prompt A: 1 step, tau 3; prompt B: 3 steps, tau 1. Pooled tau 1.5 = 6 tokens / 4 steps;
+    z = emitted - 1.5 * steps = (3 - 1.5, 3 - 4.5) = (1.5, -1.5): var = 2/1 * 4.5 / 4^2."""
+    a, b = acceptance_stats([2], k=2), acceptance_stats([0, 0, 0], k=2)
+    assert tau_standard_error([a, b]) == pytest.approx((2 * 4.5) ** 0.5 / 4)
+    assert tau_standard_error([a]) is None and tau_standard_error([]) is None
+    same = [acceptance_stats([1, 0], k=1) for _ in range(5)]  # every prompt alike: no spread
+    assert tau_standard_error(same) == pytest.approx(0.0)
+    # more prompts of the same two kinds: the error shrinks as 1 / sqrt(prompts)
+    many = tau_standard_error([a, b] * 50)
+    assert many == pytest.approx((100 / 99 * 50 * 4.5) ** 0.5 / 200) and many < tau_standard_error([a, b]) / 5
+
+
 # ---------------------------------------------------------------------- reports
 def _report(tau=2.0, alpha=(0.8, 0.5, None), label=None):
     cat = {"num_prompts": 1, "tau": tau, "tau_prompt_mean": tau + 0.25, "alpha": list(alpha), "tokens_per_s": 10.0, "baseline_tokens_per_s": 5.0, "speedup": 2.0, "greedy_match": "1/1"}
@@ -95,7 +108,8 @@ def test_write_report_json_markdown_png(tmp_path):
     assert read_json(paths["json"])["label"] == "step 300"
     md = paths["markdown"].read_text()
     assert "| all | 2 | 2.00 | 2.25 | 0.80 | 0.50 | - |" in md and "| coding |" in md and "| writing |" in md
-    assert "| category | prompts | τ pooled over all steps (vLLM) | τ mean of per-prompt τ (SpecForge) | α1 |" in md
+    assert "| category | prompts | τ pooled over all steps (vLLM) ± 1 s.e. | τ mean of per-prompt τ (SpecForge) | α1 |" in md
+    assert "| all | 2 | 1.50 ± 0.25 | - |" in markdown_table({"num_prompts": 2, "tau": 1.5, "tau_se": 0.25, "alpha": [0.5]})
     assert "| all | 2 | 1.50 | - |" in markdown_table({"num_prompts": 2, "tau": 1.5, "alpha": [0.5]})  # an older report
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["eval.json", "eval.md", "eval.png"]  # no temp files left
