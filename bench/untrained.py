@@ -1,7 +1,7 @@
 """The checkpoint a recipe's drafter starts training from, for measuring what training adds.
 
     python -m bench.untrained RECIPE OUT_DIR [dotted.key=value ...]
-    draftlab eval --drafter OUT_DIR --recipe RECIPE [dotted.key=value ...]
+    draftlab eval --drafter OUT_DIR --data sharegpt-heldout --recipe RECIPE [dotted.key=value ...]
 
 Builds the recipe's drafter exactly as ``train`` does before its first step (the same seed,
 data and ``Drafter.build``: a draft LM initialised from the target is the truncated target) and

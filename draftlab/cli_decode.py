@@ -255,6 +255,9 @@ def run_eval(args) -> int:
     if args.recipe:
         from draftlab.recipe import load_recipe
 
+        if args.data != "sharegpt-heldout":  # the recipe would be read and then not used
+            raise DraftlabError(f"--recipe picks the held-out split of the recipe's data: pass --data sharegpt-heldout "
+                                f"(got --data {args.data})")
         data_spec = load_recipe(args.recipe, args.overrides).data
     convs = prompt_conversations(args.data, args.num_prompts, data_spec=data_spec, option="--num-prompts")
     target, proposer = load_models(args, spec)

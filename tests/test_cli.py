@@ -111,6 +111,10 @@ def test_eval_takes_the_recipe_overrides_train_takes(tiny_target_dirs, tmp_path,
         assert _one_line_error(capsys) == f"draftlab eval: error: {want}"
     assert main(_eval(tiny_target_dirs, tmp_path, "data.heldout=5")) == 2
     _one_line_error(capsys, "--recipe")
+    argv = _eval(tiny_target_dirs, tmp_path, "--recipe", str(recipe))
+    argv[argv.index("sharegpt-heldout")] = "spec-bench"  # the default: a recipe beside it would go unused
+    assert main(argv) == 2
+    _one_line_error(capsys, "--recipe", "--data sharegpt-heldout", "got --data spec-bench")
 
 
 # ------------------------------------------------------------------ 3. one target, one identity
