@@ -145,6 +145,7 @@ class PeerProposer(Proposer):
         self.layers = tuple(layers)
         self.name = self.peer
         self.drafter = drafter
+        self.notes: list[str] = []  # where the peer was made to read what the engine reads, said in the report
         self.logit_diffs: list[list[float | None]] = []  # per propose, per draft position
 
     def start(self, prompt_ids, hidden, next_token):
@@ -361,6 +362,7 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     w = report.worst_logit_diff
     say(f"  drafts equal at all {report.steps} steps; logits: "
         + (f"max |peer - draftlab| {w:.2g} <= {LOGIT_ATOL:g}" if w is not None else "not compared (no draftlab reference for this peer)"))
+    report.lines += [f"  note: {n}" for n in peer.notes]
     for line in report.lines:
         print_fn(line)
     return report

@@ -15,7 +15,8 @@ loaded by SGLang's ``LlamaForCausalLMEagle`` and (without fc bias) vLLM's ``Eagl
   "attention has biases" and would expect q/k/v/o biases.
 * Weights are ``model.safetensors`` (no pickles). EAGLE's ``EaModel.from_pretrained`` tries
   ``pytorch_model.bin`` first and falls back to ``model.safetensors``; the eagle-llm 1.2.1
-  package's ``Model`` hard-codes RoPE base 10000 (fine for Llama-2-era targets only).
+  package's ``Model`` hard-codes RoPE base 10000 (fine for Llama-2-era targets only; SGLang and
+  vLLM read ``rope_theta``, which ``draftlab check`` gives the eagle-llm peer, and says so).
 """
 
 from __future__ import annotations
@@ -135,11 +136,29 @@ class EagleRepoPeer(PeerProposer):
             cfg.rope_scaling = None
         state = {k: v.float() for k, v in read_weights(out / "model.safetensors").items()}
         m = model_cls(cfg, bias="fc.bias" in state)
+        self.serve_rope_theta(m, config)
         try:
             m.load_state_dict(state, strict=True)
         except RuntimeError as e:
             raise DraftlabError(f"{out}: EAGLE's cnets.Model does not load the weights ({str(e).splitlines()[1].strip()})") from None
         self.model, self.lm_head, self.L = m.float().eval(), target.lm_head, drafter.num_target_layers
+
+    def serve_rope_theta(self, model, config) -> None:
+        """eagle-llm's attention builds its RoPE with base 10000 whatever the config says; SGLang's
+        and vLLM's EAGLE layers read ``rope_theta`` from config.json. The peer stands for the
+        engine, so it gets the config's base (cnets' own RoPE class), and the report says that
+        the EAGLE repository's code would draft otherwise for this target."""
+        import sys
+
+        theta = float(config.get("rope_theta", 10000.0))
+        if theta == 10000.0 or config.get("rope_scaling") is not None:
+            return
+        rope = sys.modules[type(model).__module__].LlamaRotaryEmbedding
+        for layer in model.layers:
+            attn = layer.self_attn
+            attn.rotary_emb = rope(attn.head_dim, max_position_embeddings=attn.max_position_embeddings, base=theta)
+        self.notes.append(f"the peer's RoPE base set to config.json's rope_theta {theta:g}, as SGLang reads it; the EAGLE "
+                          "repository's own EaModel (eagle-llm) hard-codes 10000 and drafts otherwise for this target")
 
     def draft(self, k):
         import torch

@@ -214,14 +214,23 @@ def theta_llama(tmp_path_factory):
     return Target.load(str(path))
 
 
-def test_peer_that_computes_something_else_fails_at_the_first_draft(theta_llama, data, tmp_path):
-    """eagle-llm's cnets.Model hard-codes RoPE theta 10000: for a target with another theta its
-    drafts are not the drafter's, which config and tensors cannot show (both are right)."""
+def test_peer_that_computes_something_else_fails_at_the_first_draft(theta_llama, data, tmp_path, monkeypatch):
+    """eagle-llm's cnets.Model hard-codes RoPE theta 10000. The peer stands for SGLang, which reads
+    rope_theta from config.json: given the config's theta it drafts as the drafter, and the report
+    says eagle-llm itself would not. Left at eagle-llm's 10000 it computes something else, which
+    config and tensors cannot show (both are right): the decoding check fails at the first draft."""
     pytest.importorskip("eagle.model.cnets")
+    from draftlab.export.eagle1 import EagleRepoPeer
+
     torch.manual_seed(0)
     c = _save(_perturb(Eagle1Drafter.build(Eagle1Config(num_layers=1), theta_llama), scale=0.05), theta_llama, tmp_path / "ckpt")
     out = export_checkpoint(c, "sglang", tmp_path / "out", theta_llama)
     assert json.loads((out / "config.json").read_text())["rope_theta"] == 50000.0
+    report, lines = _check(out, c, theta_llama, data)
+    assert report.steps > 0 and report.worst_logit_diff <= 1e-4
+    assert "rope_theta 50000" in lines[-1] and "hard-codes 10000" in lines[-1]
+
+    monkeypatch.setattr(EagleRepoPeer, "serve_rope_theta", lambda self, model, config: None)
     with pytest.raises(DraftlabError, match=r"prompt 0, step 0, draft position 0: the peer's logits differ from draftlab's by \S+ "
                                             r"\(tolerance 0\.0001\)"):
         _check(out, c, theta_llama, data)
