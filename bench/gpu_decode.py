@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -282,6 +283,7 @@ def run(argv, args) -> int:
             fn()
         except Exception as e:  # noqa: BLE001 - a report with every part that ran beats none
             report.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            traceback.print_exc()  # a GPU machine is lent for minutes: its log must say where it broke
             print(f"  FAILED: {report['errors'][name]}", flush=True)
         write_json(args.out, report)
 
