@@ -191,6 +191,21 @@ def test_prompt_cache_gives_what_the_prefill_gives(tiny_llama, tiny_target_dirs,
         generate_plain_batch(other, prompts, 2, prompt_cache=cache)
 
 
+def test_prompt_cache_of_a_graphed_target_serves_both_loops(tiny_llama, prompts, alone):
+    """A batch evaluation makes its prompt cache from the graphed target; the host loop prefills
+    through the wrapper, the device loop through the model (on CUDA, plain decoding after a
+    drafter's warm-up): both are that model's prefills."""
+    from draftlab.inference.graphs import GraphedTarget
+    from draftlab.inference.prefill import PromptCache
+
+    graphed = GraphedTarget(tiny_llama, mode="replay")
+    cache = PromptCache(graphed)
+    for loop in ("host", "device"):
+        out = Decoder(graphed, loop=loop).generate(prompts, N_NEW, None, prompt_cache=cache)
+        assert [r.tokens for r in out.rows] == alone
+    assert (cache.misses, cache.hits) == (3, 3)
+
+
 def _record(rows, sink):
     sink.extend(rows.rows)
     return rows
