@@ -193,22 +193,32 @@ def drafter_runs(target, prompts, specs, max_new_tokens: int, graphs: bool) -> l
     return out
 
 
-def profile_steps(target, prompts, proposer_shape=None, steps: int = 32) -> str:
-    """The profiler's table of host time by op over ``steps`` graphed decode steps at batch 1
-    (plain, or drafting ``proposer_shape`` = (proposer, shape)): where a step's host time goes."""
+def profile_steps(target, prompts, proposer_shape=None, steps: int = 32) -> tuple[str, float]:
+    """Graphed decoding at batch 1 (plain, or drafting ``proposer_shape`` = (proposer, shape))
+    under the profiler: its table by device time over ``2 * steps`` tokens (a captured step's
+    kernels are listed one by one), and kernels per step (the difference of two decodings' counts
+    cancels the prefill's)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from draftlab.inference.decoder import Decoder
     from draftlab.inference.graphs import GraphedTarget
 
-    model = GraphedTarget(target)
+    model = GraphedTarget(target, mode="cuda" if target.device.type == "cuda" else "replay")
     proposer, shape = proposer_shape or (None, None)
     dec = Decoder(model, proposer)
     rows = _rows(prompts, 1)
     dec.generate(rows, steps, shape)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        dec.generate(rows, steps, shape)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    counts = []
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    for n in (steps, 2 * steps):
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            res = dec.generate(rows, n, shape)
+            sync()
+        counts.append((sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA), res.num_steps))
+    per_step = (counts[1][0] - counts[0][0]) / max(1, counts[1][1] - counts[0][1])
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), per_step
 
 
 def _drafter_spec(value: str):
@@ -244,7 +254,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", type=_drafter_spec, action="append", default=[], help="NAME=CHECKPOINT[:K] (chain K, default 1)")
     p.add_argument("--no-drafters", action="store_true", help="plain decoding only")
     p.add_argument("--replay-graphs", action="store_true", help="on CPU: also run the graphed path in replay mode (a check)")
-    p.add_argument("--profile", action="store_true", help="also print where host time goes (CUDA: plain and oracle k=3 steps)")
+    p.add_argument("--profile", action="store_true", help="CUDA: also profile graphed steps at batch 1 (plain, oracle k=3, each --drafter): "
+                   "kernels a step, device time by kernel")
     p.add_argument("--out", default="gpu_decode.json")
     return p.parse_args(argv)
 
@@ -307,11 +318,17 @@ def run(argv, args) -> int:
         from draftlab.inference.oracle import OracleProposer
         from draftlab.inference.shapes import Chain
 
+        from draftlab.inference.proposer import load_proposer
+
         target.fused_decode = default_engine == "fused"
         oracle = OracleProposer(target)
-        oracle.prepare(GraphedTarget(target), [prompts[0].prompt_ids], 64, target.tokenizer.eos_token_id)
-        for label, ps in (("plain", None), ("oracle k=3", (oracle, Chain(3)))):
-            print(f"\nhost time by op, {label}, batch 1, 32 graphed steps:\n{profile_steps(target, prompts, ps)}")
+        oracle.prepare(GraphedTarget(target), [prompts[0].prompt_ids], 128, target.tokenizer.eos_token_id)
+        cases = [("plain", None), ("oracle k=3", (oracle, Chain(3)))]
+        cases += [(f"{name} k={k}", (load_proposer(path, target, Chain(k)), Chain(k))) for name, _, path, k in args.drafter]
+        for label, ps in cases:
+            table_, per_step = profile_steps(target, prompts, ps)
+            report.setdefault("profile_kernels_per_step", {})[label] = per_step
+            print(f"\n{label}, batch 1, graphed steps: {per_step:.0f} kernels a step; device time by kernel:\n{table_}")
 
     for mode, loop in graph_modes:
         section(f"plain decoding: {default_engine} layer, graphs {mode or 'off'}, {loop} loop", lambda: plain(default_engine, mode, loop))

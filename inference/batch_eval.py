@@ -142,6 +142,8 @@ def compare_batches(target, speculations: dict[str, Speculation], prompts, batch
         plain.generate(ids[:B], shape=None, seed=seed, **warm)
         for label, s in speculations.items():
             decoders[label].generate(ids[:B], shape=s.shape, seed=seed, **warm)
+    if hasattr(target, "capture_prefills"):  # graphed: every prompt's prefill width, before any timing
+        target.capture_prefills([len(i) for i in ids], {tuple(d.layers) for d in (plain, *decoders.values())})
     rules = {label: calibrate(target, s, ids, batch_sizes, seed, backend=backend, **opts) if s.adaptive else None
              for label, s in speculations.items()}
     calibrated = {label: rule.to_dict() for label, rule in rules.items() if rule is not None}

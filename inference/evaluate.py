@@ -121,6 +121,8 @@ def evaluate(
         n = min(max_new_tokens, 16)
         plain.generate([prompts[0].prompt_ids], n, None, seed=seed, **sampling)
         decoder.generate([prompts[0].prompt_ids], n, shape, seed=seed, **sampling)
+    if graphs:  # every prompt's prefill graph captured before any timing
+        target.capture_prefills([len(p.prompt_ids) for p in prompts], {tuple(d.layers) for d in (decoder, plain)})
     compare = baseline and temperature == 0.0
     total, by_cat = _Totals(), {}
     per_prompt = []

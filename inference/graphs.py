@@ -13,8 +13,12 @@ into the buffers of the graph captured for its shape (rows, inputs, logits, laye
 skipped), replays the graph and hands back copies of its outputs. A shape seen for the first
 time is captured then; shapes past ``max_graphs`` or wider than ``max_inputs`` run eagerly on the
 same cache, as do shapes whose capture fails (an op that waits on the host), and
-:attr:`GraphedTarget.stats` counts each kind, which the report shows. Prefills (one prompt, any
-length) run eagerly.
+:attr:`GraphedTarget.stats` counts each kind, which the report shows.
+
+A prompt's prefill (:meth:`GraphedTarget.prefill_prompt`) replays a graph of its width rounded up
+to a power of two, in a one-row buffer of that width's own, and the caller copies the prompt's
+K/V into its row: eagerly, a prefill launches a whole forward's kernels once per prompt, which on
+a GPU costs tens of decode steps. Prompts longer than ``max_prefill`` run eagerly.
 
 ``mode="replay"`` runs the same code on any device without CUDA: a "replay" runs the captured
 function again from its buffers, so tests on CPU prove a replayed step reads nothing but what
@@ -30,6 +34,7 @@ from typing import Callable
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.inference.prefill import Prefilled
 from draftlab.inference.proposer import OwnModel
 from draftlab.device import device_ints
 from draftlab.models.target import CACHE_SLOT_MULTIPLE, RaggedKVCache, TargetOutput
@@ -47,21 +52,38 @@ class _Graph:
     replay: Callable[[], TargetOutput]
 
 
+# the narrowest prefill graph: shorter prompts pad to it (a few more positions cost nothing on a GPU)
+PREFILL_MIN = 32
+
+
+@dataclass
+class _Prefill:
+    """A captured prefill of one width: its inputs [1, width] (the prompt, then padding), the
+    prompt's last position [1] and its own one-row cache."""
+
+    ids: torch.Tensor
+    last: torch.Tensor
+    cache: RaggedKVCache
+    replay: Callable[[], TargetOutput]
+
+
 class GraphedTarget:
     """A :class:`~draftlab.models.target.Target` whose decoding forwards replay captured graphs;
     every other attribute is the target's."""
 
-    def __init__(self, target, mode: str = "cuda", max_graphs: int = 64, max_inputs: int = 64, min_len: int = 1024):
+    def __init__(self, target, mode: str = "cuda", max_graphs: int = 64, max_inputs: int = 64, min_len: int = 1024,
+                 max_prefill: int = 4096):
         if mode not in ("cuda", "replay"):
             raise ValueError(f"GraphedTarget: mode must be 'cuda' or 'replay', not {mode!r}")
         if mode == "cuda" and target.device.type != "cuda":
             raise DraftlabError(f"CUDA graphs need the target on a CUDA device, not {target.device}")
         self.target, self.mode = target, mode
-        self.max_graphs, self.max_inputs, self.min_len = max_graphs, max_inputs, min_len
+        self.max_graphs, self.max_inputs, self.min_len, self.max_prefill = max_graphs, max_inputs, min_len, max_prefill
         self.stats: Counter = Counter()  # replayed, captured, eager: <why>
         self._buffers: list[tuple[RaggedKVCache, Callable]] = []  # (buffer, its current user's weakref)
         self._graphs: dict[tuple, _Graph] = {}
         self._failed: dict[tuple, str] = {}  # shapes whose capture failed: eager, and why
+        self._prefills: dict[tuple, _Prefill] = {}  # (width, layers) -> its graph
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.replay_marks: list | None = None  # set to a list: (start, end) CUDA events of each replay go there
 
@@ -168,9 +190,13 @@ class GraphedTarget:
             return self.target.forward_step(graph.ids, bound, step, layers, logits, skip)
 
         self._fill(graph, input_ids, cache, offsets, mask)
+        graph.replay = self._captured(body)
+        return graph
+
+    def _captured(self, body: Callable[[], TargetOutput]) -> Callable[[], TargetOutput]:
+        """``body`` as a replay: captured as a CUDA graph, or run again in replay mode."""
         if self.mode == "replay":
-            graph.replay = body
-            return graph
+            return body
         # warm-up on a side stream (lazy library set-up happens outside the capture), twice as
         # vLLM's runner does: the same K/V into the same slots the replay then writes again
         side = torch.cuda.Stream()
@@ -185,9 +211,71 @@ class GraphedTarget:
 
         def replay() -> TargetOutput:
             cuda_graph.replay()
-            return out  # the graph's own output tensors: forward copies them before the next replay
+            return out  # the graph's own output tensors: callers copy them before the next replay
 
-        graph.replay = replay
+        return replay
+
+    @staticmethod
+    def prefill_width(n: int) -> int:
+        return max(PREFILL_MIN, 1 << (n - 1).bit_length())
+
+    @torch.no_grad()
+    def prefill_prompt(self, prompt: torch.Tensor, layers) -> Prefilled | None:
+        """The prefill of one prompt [T] on the device (K/V, last logits, ``layers``' hidden
+        states), replayed from its width's graph; None where it runs eagerly (longer than
+        ``max_prefill``, or its capture failed): the caller then prefills it over its own cache.
+        The padding follows the prompt, so causal attention keeps it out of every prompt
+        position, and the caller takes the prompt's T slots only."""
+        n, layers = prompt.numel(), tuple(sorted(layers))
+        graph, why = self._prefill_graph(self.prefill_width(n), layers)
+        if graph is None:
+            self.stats[f"eager prefill: {why}"] += 1
+            return None
+        graph.ids[0, :n] = prompt
+        graph.last.fill_(n - 1)
+        out = graph.replay()
+        self.stats["prefills replayed"] += 1
+        return Prefilled(graph.cache.k[:, 0, :, :n].clone(), graph.cache.v[:, 0, :, :n].clone(), out.logits[0].clone(),
+                         {i: out.hidden[i][:, :n].clone() for i in layers})
+
+    def capture_prefills(self, lengths, layer_sets) -> None:
+        """Capture the prefill graphs that prompts of these ``lengths`` need for each set of
+        layers (before timing: a capture costs a few forwards)."""
+        for width in sorted({self.prefill_width(n) for n in lengths}):
+            for layers in layer_sets:
+                self._prefill_graph(width, tuple(sorted(layers)))
+
+    def _prefill_graph(self, width: int, layers: tuple[int, ...]) -> tuple[_Prefill | None, str | None]:
+        """The graph of this width and layers, captured if new; or None and why it runs eagerly."""
+        key = (width, layers)
+        if width > self.max_prefill:
+            return None, "longer than max_prefill"
+        if ("prefill", *key) in self._failed:
+            return None, self._failed[("prefill", *key)]
+        if key not in self._prefills:
+            try:
+                self._prefills[key] = self._capture_prefill(width, layers)
+                self.stats["prefill widths captured"] += 1
+            except RuntimeError as e:  # as in forward: an op that syncs with the host
+                self._failed[("prefill", *key)] = why = f"capture failed ({str(e).splitlines()[0][:80]})"
+                return None, why
+        return self._prefills[key], None
+
+    def _capture_prefill(self, width: int, layers: tuple[int, ...]) -> _Prefill:
+        dev = self.target.device
+        cache = self.target.new_cache(1, width, static=True)
+        graph = _Prefill(torch.zeros(1, width, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                         cache, None)
+        lengths = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        L, S = self.target.num_layers, cache.max_len
+
+        def body() -> TargetOutput:
+            step = RaggedKVCache.layout(lengths, width, None, None, S, [(0, 1, S)])
+            out = self.target.forward_step(graph.ids, cache, step, sorted({*layers, L}), logits=None)
+            last = out.hidden[L].index_select(1, graph.last)  # the final norm's output at the prompt's end
+            return TargetOutput(self.target.shared_lm_head(last)[:, 0], {i: out.hidden[i] for i in layers})
+
+        graph.replay = self._captured(body)
         return graph
 
     def report(self) -> dict:

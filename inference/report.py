@@ -56,9 +56,11 @@ def graphs_line(graphs: dict) -> str:
     parts = []
     for model, g in graphs.items():
         eager = [f"{n} {k.removeprefix('eager: ')}" for k, n in g.items() if k.startswith("eager: ")]
+        eager += [f"{n} prefills {k.removeprefix('eager prefill: ')}" for k, n in g.items() if k.startswith("eager prefill: ")]
         parts.append(f"{model}: {g.get('replayed', 0)} forwards replayed from {g.get('captured', 0)} captured shapes, "
+                     f"{g.get('prefills replayed', 0)} prefills from {g.get('prefill widths captured', 0)} captured widths, "
                      f"eager: {', '.join(eager) if eager else 'none'}")
-    return f"CUDA graphs (prefills run eagerly): {'; '.join(parts)}."
+    return f"CUDA graphs: {'; '.join(parts)}."
 
 
 def _describe(report: dict) -> str:

@@ -312,8 +312,7 @@ def device_steps(target, proposer, prompt_ids, max_new_tokens: int, shape, sampl
     :meth:`Decoder.steps` does. ``target`` may be a ``GraphedTarget``: its mode captures the
     whole step."""
     mode = getattr(target, "mode", None)
-    base = getattr(target, "target", target)
-    dev = base.device
+    dev = target.device
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1).to(dev) for p in prompt_ids]
     n = len(prompts)
     rows = bucket_rows(n)
@@ -330,7 +329,7 @@ def device_steps(target, proposer, prompt_ids, max_new_tokens: int, shape, sampl
         loop.generator.manual_seed(seed)
         # prefill: each prompt into its row (rows in prompt order: the static cache spans every slot)
         view = RaggedKVCache(loop.cache.k, loop.cache.v, [0] * rows, static=True)
-        logits, hidden = prefill(base, prompts, list(range(n)), layers, view, Stopwatch(clock), prompt_cache)
+        logits, hidden = prefill(target, prompts, list(range(n)), layers, view, Stopwatch(clock), prompt_cache)
         first = loop.sampling.sample(loop.sampling.probs(logits))
         loop.lengths.copy_(device_ints(view.lengths, dev)[:, None])
         loop.last.zero_()

@@ -150,10 +150,42 @@ def test_a_shape_whose_capture_fails_runs_eagerly_once_and_for_all(tiny_llama, p
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(graphed, "_capture", refuse)
+    monkeypatch.setattr(graphed, "_capture_prefill", refuse)
     res = generate_plain_batch(graphed, prompts, N_NEW)
-    assert [r.tokens for r in res.rows] == [r.tokens for r in plain.rows] and len(tries) == 1
-    assert graphed.stats["eager: capture failed (operation not permitted when stream is capturing)"] == res.num_steps
-    assert "target: 0 forwards replayed from 0 captured shapes, eager: " in graphs_line({"target": graphed.report()})
+    assert [r.tokens for r in res.rows] == [r.tokens for r in plain.rows] and len(tries) == 2  # a step, a prefill width
+    why = "capture failed (operation not permitted when stream is capturing)"
+    assert graphed.stats[f"eager: {why}"] == res.num_steps and graphed.stats[f"eager prefill: {why}"] == len(prompts)
+    assert ("target: 0 forwards replayed from 0 captured shapes, 0 prefills from 0 captured widths, eager: "
+            f"{res.num_steps} {why}, {len(prompts)} prefills {why}") in graphs_line({"target": graphed.report()})
+
+
+def test_prefills_replay_padded_graphs(tiny_llama):
+    """A prompt's prefill replays the graph of its width (a power of two, at least PREFILL_MIN):
+    the K/V of its slots, its last logits and hidden states are the eager prefill's; a width is
+    captured once for each set of layers, ``capture_prefills`` captures them ahead, and a prompt
+    past ``max_prefill`` is left to the caller (None) and counted."""
+    from draftlab.inference.graphs import PREFILL_MIN
+
+    graphed = GraphedTarget(tiny_llama, mode="replay", max_prefill=64)
+    layers = (0, 2, tiny_llama.num_layers)
+    graphed.capture_prefills([5, 33, 40], [(), layers])
+    assert graphed.stats["prefill widths captured"] == 4 and sorted(graphed._prefills) == [
+        (PREFILL_MIN, ()), (PREFILL_MIN, layers), (64, ()), (64, layers)]
+    torch.manual_seed(0)
+    for n in (1, 5, PREFILL_MIN, PREFILL_MIN + 1, 64):
+        prompt = torch.randint(0, tiny_llama.vocab_size, (n,))
+        cache = tiny_llama.new_cache(1, n)
+        eager = tiny_llama(prompt[None], layers=list(layers), cache=cache, logits="last")
+        done = graphed.prefill_prompt(prompt, layers)
+        torch.testing.assert_close(done.k, cache.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(done.v, cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(done.logits, eager.logits[0, -1], atol=1e-4, rtol=1e-4)
+        assert done.hidden.keys() == set(layers)
+        for i in layers:
+            torch.testing.assert_close(done.hidden[i], eager.hidden[i], atol=1e-4, rtol=1e-4)
+    assert graphed.stats["prefill widths captured"] == 4 and graphed.stats["prefills replayed"] == 5
+    assert graphed.prefill_prompt(torch.zeros(65, dtype=torch.long), ()) is None
+    assert graphed.stats["eager prefill: longer than max_prefill"] == 1
 
 
 def test_decodings_in_lockstep_hold_buffers_of_their_own(tiny_llama, prompts):
@@ -186,7 +218,7 @@ def test_evaluate_with_cuda_graphs_reports_what_replayed(tiny_llama, prompts, mo
     g = report["cuda_graphs"]
     assert g.keys() == {"target", "drafter"} and all(g[m]["replayed"] > 0 for m in g)
     assert report["greedy_match"] == f"{len(prompts)}/{len(prompts)}"
-    assert "CUDA graphs (prefills run eagerly): target: " in markdown_table(report)
+    assert "CUDA graphs: target: " in markdown_table(report)
 
 
 def test_eval_cuda_graphs_on_cpu_is_a_one_line_error_before_training(tiny_target_dirs, tmp_path, capsys):
