@@ -59,11 +59,12 @@ PREFILL_MIN = 32
 @dataclass
 class _Prefill:
     """A captured prefill of one width: its inputs [1, width] (the prompt, then padding), the
-    prompt's last position [1] and its own one-row cache."""
+    prompt's last position [1], its own one-row cache and that cache's lengths (zeros)."""
 
     ids: torch.Tensor
     last: torch.Tensor
     cache: RaggedKVCache
+    lengths: torch.Tensor
     replay: Callable[[], TargetOutput]
 
 
@@ -213,6 +214,9 @@ class GraphedTarget:
             cuda_graph.replay()
             return out  # the graph's own output tensors: callers copy them before the next replay
 
+        # the graph reads the tensors body holds at their addresses: freed, their memory would be
+        # reused and the replay would read whatever is there (on an H200: slots out of range)
+        replay.body = body
         return replay
 
     @staticmethod
@@ -264,13 +268,12 @@ class GraphedTarget:
     def _capture_prefill(self, width: int, layers: tuple[int, ...]) -> _Prefill:
         dev = self.target.device
         cache = self.target.new_cache(1, width, static=True)
-        graph = _Prefill(torch.zeros(1, width, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                         cache, None)
-        lengths = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
+        graph = _Prefill(zeros(1, width), zeros(1), cache, zeros(1, 1), None)
         L, S = self.target.num_layers, cache.max_len
 
         def body() -> TargetOutput:
-            step = RaggedKVCache.layout(lengths, width, None, None, S, [(0, 1, S)])
+            step = RaggedKVCache.layout(graph.lengths, width, None, None, S, [(0, 1, S)])
             out = self.target.forward_step(graph.ids, cache, step, sorted({*layers, L}), logits=None)
             last = out.hidden[L].index_select(1, graph.last)  # the final norm's output at the prompt's end
             return TargetOutput(self.target.shared_lm_head(last)[:, 0], {i: out.hidden[i] for i in layers})

@@ -143,18 +143,25 @@ def test_cuda_graph_decoding_equals_eager(tiny_llama, cuda_llama, prompts, algor
 
 
 def test_cuda_graph_prefill_equals_eager(cuda_llama):
-    """A prompt's prefill replayed from its width's CUDA graph (padded past the prompt) gives the
-    eager prefill's K/V, last logits and hidden states."""
+    """Prompts' prefills replayed from their widths' CUDA graphs (padded past the prompt), one
+    GraphedTarget for all, give the eager prefill's K/V, last logits and hidden states, also
+    after small blocks freed since the captures were taken again and filled with values no index
+    may hold (a tensor only the graph held was once freed that way: its replays read garbage)."""
     graphed = GraphedTarget(cuda_llama)
     layers = (0, 2, cuda_llama.num_layers)
     torch.manual_seed(0)
-    for n in (1, 5, 33, 100):
-        prompt = torch.randint(0, cuda_llama.vocab_size, (n,), device="cuda")
-        cache = cuda_llama.new_cache(1, n)
-        eager = cuda_llama(prompt[None], layers=list(layers), cache=cache, logits="last")
-        done = graphed.prefill_prompt(prompt, layers)
-        torch.testing.assert_close(done.k, cache.k[:, 0, :, :n], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(done.logits, eager.logits[0, -1], atol=1e-3, rtol=1e-3)
-        for i in layers:
-            torch.testing.assert_close(done.hidden[i], eager.hidden[i], atol=1e-3, rtol=1e-3)
-    assert graphed.stats["prefills replayed"] == 4 and graphed.stats["prefill widths captured"] == 3
+    prompts = [torch.randint(0, cuda_llama.vocab_size, (n,), device="cuda") for n in (1, 5, 33, 100)]
+    for round_ in range(2):
+        for prompt in prompts:
+            n = prompt.numel()
+            cache = cuda_llama.new_cache(1, n)
+            eager = cuda_llama(prompt[None], layers=list(layers), cache=cache, logits="last")
+            done = graphed.prefill_prompt(prompt, layers)
+            torch.testing.assert_close(done.k, cache.k[:, 0, :, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(done.logits, eager.logits[0, -1], atol=1e-3, rtol=1e-3)
+            for i in layers:
+                torch.testing.assert_close(done.hidden[i], eager.hidden[i], atol=1e-3, rtol=1e-3)
+        junk = [torch.full((k,), 2**40, dtype=torch.long, device="cuda") for k in (1, 2, 4, 8, 64) for _ in range(64)]
+        del junk
+    torch.cuda.synchronize()
+    assert graphed.stats["prefills replayed"] == 8 and graphed.stats["prefill widths captured"] == 3
