@@ -268,7 +268,9 @@ class CheckReport:
 def own_hook(fmt, name: str) -> bool:
     """Whether ``fmt``'s hook ``name`` was written for its own algorithm. A layout derived from
     another family's (P-EAGLE's from EAGLE-3's speculators format) inherits that family's hooks,
-    which would load its export with the other family's peer: it adds its own instead."""
+    which would load its export with the other family's peer: it adds its own instead. Where a
+    format's hook reads a class attribute (``hook_attributes``), that attribute is the hook."""
+    name = getattr(fmt, "hook_attributes", {}).get(name, name)
     for cls in type(fmt).__mro__:
         if name in vars(cls):
             return getattr(cls, "algorithm", "*") in (fmt.algorithm, "*")

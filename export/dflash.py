@@ -52,7 +52,18 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.export.check import PeerProposer, max_diff
-from draftlab.export.formats import ExportOptions, Format, layer_config, register, serving_aux_ids, shape_from_config, speculators_config, vocab_maps
+from draftlab.export.formats import (
+    ExportOptions,
+    Format,
+    SpeculatorsFormat,
+    check_speculators_type,
+    layer_config,
+    register,
+    serving_aux_ids,
+    shape_from_config,
+    speculators_config,
+    vocab_maps,
+)
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
 VOCAB = ("lm_head.weight", "d2t", "t2d")  # written by the speculators export only for a reduced vocabulary
@@ -112,7 +123,68 @@ def _meta(shape, cfg, target, vd: int, layers: list, block_size: int, mask: int,
 # ============================================================================ speculators (vLLM)
 
 
-class SpeculatorsDFlash(Format):
+class SpeculatorsDFlashPeer(PeerProposer):
+    """Drafts with speculators' ``DFlashDraftModel`` built from the export's config.json, weights
+    loaded strictly; what speculators takes from the verifier (embedding, its lm_head with the
+    full vocabulary) is the target's. Its own modules run the block ``[last, MASK...]`` after the
+    whole context (``fc`` -> ``hidden_norm`` of the aux states), every slot seeing the context and
+    the whole block, as vLLM's DFlash drafts; slot j's argmax is the j-th draft."""
+
+    peer = "speculators DFlashDraftModel"
+    shapes = frozenset({"block"})
+
+    def __init__(self, out, drafter, target, config_cls, model_cls):
+        from draftlab.checkpoint import read_weights
+
+        super().__init__(drafter.capture_layers, drafter)
+        cfg = config_cls.from_pretrained(str(out))
+        cfg.transformer_layer_config._attn_implementation = "eager"  # no flex-attention compile on CPU
+        m = model_cls(cfg)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+        head = target.lm_head.weight.detach().float().cpu()
+        own = m.state_dict()
+        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
+        for key in ("verifier_lm_head.weight", "verifier_norm.weight"):  # training-only: not used to draft
+            state[key] = own[key]
+        if not m.use_draft_vocab:
+            state["lm_head.weight"] = head
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: speculators' DFlashDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.aux, self.mask, self.G = m.float().eval(), list(cfg.aux_hidden_state_layer_ids), cfg.mask_token_id, cfg.block_size
+
+    def block_states(self, k):
+        """The peer's block ``[last, MASK...]`` after the context: its final-norm states of slots
+        1..k [1, k, H] (slot 0 holds the anchor: ``sample_from_anchor`` false)."""
+        m, N, G = self.model, self.ids.numel() - 1, self.G
+        block = torch.full((1, G), self.mask, dtype=torch.long)
+        block[0, 0] = self.ids[-1]
+        ctx = m.hidden_norm(m.fc(torch.cat([self.hidden[i] for i in self.aux], -1)))
+        h, pos = m.embed_tokens(block), torch.arange(N + G)[None]  # RoPE over [context positions, block positions]
+        pe = m.rotary_emb(h, pos)
+        for layer in m.layers:
+            h = layer(hidden_states=h, target_hidden=ctx, attention_mask=torch.zeros(1, 1, G, N + G), position_ids=pos,
+                      position_embeddings=pe)
+        return m.norm(h)[:, 1 : 1 + k]
+
+    def our_block(self):
+        """draftlab's block over the same context: its inputs to ``blocks``/``block_states``."""
+        d, N, G = self.drafter, self.ids.numel() - 1, self.G
+        kv = d.context_kv(d.context(self.hidden), torch.arange(N)[None])
+        return d.block_ids(self.ids[-1:]), torch.arange(N, N + G)[None], kv, torch.ones(1, G, N + G, dtype=torch.bool)
+
+    def draft(self, k):
+        m = self.model
+        logits = m.lm_head(self.block_states(k))[0]
+        ours = self.drafter.blocks(*self.our_block())[0, 1 : 1 + k]
+        drafts = logits.argmax(-1)
+        if m.use_draft_vocab:
+            drafts = drafts + m.d2t[drafts]
+        return drafts.tolist(), [max_diff(a, b) for a, b in zip(logits, ours)]
+
+
+class SpeculatorsDFlash(SpeculatorsFormat):
     name = "speculators-dflash"
     algorithm = "diffusion"
     engines = ("vllm",)
@@ -168,22 +240,14 @@ class SpeculatorsDFlash(Format):
     # ---- served equals trained (export/check.py) ------------------------------------
     free_keys = ("speculators_config.verifier.name_or_path",)  # --verifier: any path naming the target
 
-    def detect(self, config):
-        return config.get("speculators_model_type") == "dflash"
-
-    def peer_proposer(self, out, config, drafter, target):
-        try:
-            from speculators import SpeculatorModelConfig
-            from speculators.models.dflash import DFlashDraftModel
-        except ImportError:
-            return None
-        return SpeculatorsDFlashPeer(out, drafter, target, SpeculatorModelConfig, DFlashDraftModel)
+    speculators_type = "dflash"
+    peer_adapter = SpeculatorsDFlashPeer
+    peer_model = ("speculators.models.dflash", "DFlashDraftModel")
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators dflash config.json"
-        if config.get("speculators_model_type") != "dflash":
-            raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'dflash'")
+        check_speculators_type(config, "dflash", where)
         if config.get("sample_from_anchor", False):
             raise DraftlabError(f"{where}: sample_from_anchor = true is not draftlab's block (slot 0 holds the anchor)")
         tl = config.get("transformer_layer_config")
@@ -202,56 +266,6 @@ class SpeculatorsDFlash(Format):
         vocab_maps(tensors, V, vd, where)
         return _meta(shape, cfg, target, vd, layers, block_size, mask, where, "aux_hidden_state_layer_ids")
 
-
-class SpeculatorsDFlashPeer(PeerProposer):
-    """Drafts with speculators' ``DFlashDraftModel`` built from the export's config.json, weights
-    loaded strictly; what speculators takes from the verifier (embedding, its lm_head with the
-    full vocabulary) is the target's. Its own modules run the block ``[last, MASK...]`` after the
-    whole context (``fc`` -> ``hidden_norm`` of the aux states), every slot seeing the context and
-    the whole block, as vLLM's DFlash drafts; slot j's argmax is the j-th draft."""
-
-    peer = "speculators DFlashDraftModel"
-    shapes = frozenset({"block"})
-
-    def __init__(self, out, drafter, target, config_cls, model_cls):
-        from draftlab.checkpoint import read_weights
-
-        super().__init__(drafter.capture_layers, drafter)
-        cfg = config_cls.from_pretrained(str(out))
-        cfg.transformer_layer_config._attn_implementation = "eager"  # no flex-attention compile on CPU
-        m = model_cls(cfg)
-        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
-        head = target.lm_head.weight.detach().float().cpu()
-        own = m.state_dict()
-        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
-        for key in ("verifier_lm_head.weight", "verifier_norm.weight"):  # training-only: not used to draft
-            state[key] = own[key]
-        if not m.use_draft_vocab:
-            state["lm_head.weight"] = head
-        try:
-            m.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise DraftlabError(f"{out}: speculators' DFlashDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
-        self.model, self.aux, self.mask, self.G = m.float().eval(), list(cfg.aux_hidden_state_layer_ids), cfg.mask_token_id, cfg.block_size
-
-    def draft(self, k):
-        m, N, G = self.model, self.ids.numel() - 1, self.G
-        block = torch.full((1, G), self.mask, dtype=torch.long)
-        block[0, 0] = self.ids[-1]
-        ctx = m.hidden_norm(m.fc(torch.cat([self.hidden[i] for i in self.aux], -1)))
-        h, pos = m.embed_tokens(block), torch.arange(N + G)[None]  # RoPE over [context positions, block positions]
-        pe = m.rotary_emb(h, pos)
-        for layer in m.layers:
-            h = layer(hidden_states=h, target_hidden=ctx, attention_mask=torch.zeros(1, 1, G, N + G), position_ids=pos,
-                      position_embeddings=pe)
-        logits = m.lm_head(m.norm(h))[0, 1 : 1 + k]
-        d = self.drafter  # draftlab's block over the same context, for the logits
-        kv = d.context_kv(d.context(self.hidden), torch.arange(N)[None])
-        ours = d.blocks(d.block_ids(self.ids[-1:]), torch.arange(N, N + G)[None], kv, torch.ones(1, G, N + G, dtype=torch.bool))[0, 1 : 1 + k]
-        drafts = logits.argmax(-1)
-        if m.use_draft_vocab:
-            drafts = drafts + m.d2t[drafts]
-        return drafts.tolist(), [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 # ============================================================================ z-lab (SGLang)

@@ -33,8 +33,36 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.export.check import max_diff
 from draftlab.export.dflash import SpeculatorsDFlash, SpeculatorsDFlashPeer
-from draftlab.export.formats import ExportOptions, register, speculators_config
+from draftlab.export.formats import ExportOptions, check_speculators_type, register, speculators_config
 from draftlab.models.dspark import MARKOV_KINDS
+
+
+class SpeculatorsDSparkPeer(SpeculatorsDFlashPeer):
+    """Drafts with speculators' ``DSparkDraftModel`` (loaded as its DFlash backbone is, strictly,
+    the heads from the export): its modules run the block ``[last, MASK...]`` after the context,
+    then the slots are drafted left to right, slot j's logits the backbone's plus its
+    ``markov_head.block_bias`` of the token drafted at slot j - 1 (the last kept token for slot
+    1): the chain of k that verification sees. draftlab's logits are compared on the same
+    previous tokens (the peer's drafts)."""
+
+    peer = "speculators DSparkDraftModel"
+
+    def draft(self, k):
+        m = self.model
+        h = self.block_states(k)
+        base = m.lm_head(h)
+        prev, drafts, logits = [int(self.ids[-1])], [], []
+        for j in range(k):  # one slot at a time: slot j's bias reads the token drafted before it
+            p = torch.tensor([[prev[-1]]])
+            lj = base[:, j : j + 1] + m.markov_head.block_bias(prev_token_ids=p, hidden_states=h[:, j : j + 1])
+            t = int(lj.argmax(-1))
+            drafts.append(t + int(m.d2t[t]) if m.use_draft_vocab else t)
+            logits.append(lj[0, 0])
+            prev.append(drafts[-1])
+        # draftlab's block over the same context, biased by the same previous tokens
+        states = self.drafter.block_states(*self.our_block())[0, 1 : 1 + k]
+        ours, _ = self.drafter.slot_logits(states, torch.tensor(prev[:k]))
+        return drafts, [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 class SpeculatorsDSpark(SpeculatorsDFlash):
@@ -76,22 +104,14 @@ class SpeculatorsDSpark(SpeculatorsDFlash):
         ]
 
     # ---- served equals trained (export/check.py) ------------------------------------
-    def detect(self, config):
-        return config.get("speculators_model_type") == "dspark"
-
-    def peer_proposer(self, out, config, drafter, target):
-        try:
-            from speculators import SpeculatorModelConfig
-            from speculators.models.dspark import DSparkDraftModel
-        except ImportError:
-            return None
-        return SpeculatorsDSparkPeer(out, drafter, target, SpeculatorModelConfig, DSparkDraftModel)
+    speculators_type = "dspark"
+    peer_adapter = SpeculatorsDSparkPeer
+    peer_model = ("speculators.models.dspark", "DSparkDraftModel")
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators dspark config.json"
-        if config.get("speculators_model_type") != "dspark":
-            raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'dspark'")
+        check_speculators_type(config, "dspark", where)
         if config.get("sample_from_anchor", True):  # speculators' dspark default is true
             raise DraftlabError(f"{where}: sample_from_anchor is true (or unset: DSpark's default); draftlab's block holds the anchor in slot 0")
         rank = config.get("markov_rank", 256)
@@ -107,43 +127,6 @@ class SpeculatorsDSpark(SpeculatorsDFlash):
         meta = super().import_meta({**config, "speculators_model_type": "dflash"}, tensors, target)
         return {**meta, "markov_rank": rank, "markov_head_type": kind}
 
-
-class SpeculatorsDSparkPeer(SpeculatorsDFlashPeer):
-    """Drafts with speculators' ``DSparkDraftModel`` (loaded as its DFlash backbone is, strictly,
-    the heads from the export): its modules run the block ``[last, MASK...]`` after the context,
-    then the slots are drafted left to right, slot j's logits the backbone's plus its
-    ``markov_head.block_bias`` of the token drafted at slot j - 1 (the last kept token for slot
-    1): the chain of k that verification sees. draftlab's logits are compared on the same
-    previous tokens (the peer's drafts)."""
-
-    peer = "speculators DSparkDraftModel"
-
-    def draft(self, k):
-        m, N, G = self.model, self.ids.numel() - 1, self.G
-        block = torch.full((1, G), self.mask, dtype=torch.long)
-        block[0, 0] = self.ids[-1]
-        ctx = m.hidden_norm(m.fc(torch.cat([self.hidden[i] for i in self.aux], -1)))
-        h, pos = m.embed_tokens(block), torch.arange(N + G)[None]  # RoPE over [context positions, block positions]
-        pe = m.rotary_emb(h, pos)
-        for layer in m.layers:
-            h = layer(hidden_states=h, target_hidden=ctx, attention_mask=torch.zeros(1, 1, G, N + G), position_ids=pos,
-                      position_embeddings=pe)
-        h = m.norm(h)[:, 1 : 1 + k]  # slot 0 holds the anchor (sample_from_anchor false)
-        base = m.lm_head(h)
-        prev, drafts, logits = [int(self.ids[-1])], [], []
-        for j in range(k):  # one slot at a time: slot j's bias reads the token drafted before it
-            p = torch.tensor([[prev[-1]]])
-            lj = base[:, j : j + 1] + m.markov_head.block_bias(prev_token_ids=p, hidden_states=h[:, j : j + 1])
-            t = int(lj.argmax(-1))
-            drafts.append(t + int(m.d2t[t]) if m.use_draft_vocab else t)
-            logits.append(lj[0, 0])
-            prev.append(drafts[-1])
-        d = self.drafter  # draftlab's block over the same context, biased by the same previous tokens
-        kv = d.context_kv(d.context(self.hidden), torch.arange(N)[None])
-        states = d.block_states(d.block_ids(self.ids[-1:]), torch.arange(N, N + G)[None], kv,
-                                torch.ones(1, G, N + G, dtype=torch.bool))[0, 1 : 1 + k]
-        ours, _ = d.slot_logits(states, torch.tensor(prev[:k]))
-        return drafts, [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 register(SpeculatorsDSpark())

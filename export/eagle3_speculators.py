@@ -34,7 +34,8 @@ from draftlab.export.check import PeerProposer, max_diff
 from draftlab.models.eagle import Eagle3Drafter
 from draftlab.export.formats import (
     ExportOptions,
-    Format,
+    SpeculatorsFormat,
+    check_speculators_type,
     layer_config,
     register,
     serving_aux_ids,
@@ -51,7 +52,55 @@ UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
 EAGLE31_FLAGS = ("fc_norm", "norm_output")  # EAGLE-3.1: the same fields on both sides
 
 
-class SpeculatorsEagle3(Format):
+class SpeculatorsEagle3Peer(PeerProposer):
+    """Drafts with speculators' ``Eagle3DraftModel`` built from the export's config.json, its
+    weights loaded strictly (the embedding and the unused verifier norm/head are the target's or
+    its own, as speculators fills them from the verifier), through its own TTT ``forward``.
+
+    Its TTT step i at position t reads the token at t + i and attends to the real context plus
+    its own earlier steps at t: for position N - 1 (the last kept token) with the drafts so far
+    appended to the tokens, that is the chain draftlab drafts. One forward per draft (steps
+    0..j), each re-run over the whole history."""
+
+    peer = "speculators Eagle3DraftModel"
+
+    def __init__(self, out, drafter, target, config_cls, model_cls):
+        from draftlab.checkpoint import read_weights
+
+        super().__init__(drafter.capture_layers, drafter)
+        cfg = config_cls.from_pretrained(str(out))
+        cfg.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path here
+        m = model_cls(cfg)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
+        for k in ("verifier_norm.weight", "verifier_lm_head.weight"):  # unused when drafting
+            state.setdefault(k, m.state_dict()[k])
+        try:
+            m.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise DraftlabError(f"{out}: speculators' Eagle3DraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
+        self.model, self.aux = m.float().eval(), list(cfg.eagle_aux_hidden_state_layer_ids)
+
+    def draft(self, k):
+        m, N = self.model, self.ids.numel() - 1
+        drafts, logits = [], []  # drafts: target ids (the tokens fed on), as the engine maps them with d2t
+        hook = m.lm_head.register_forward_hook(lambda mod, args, o: logits.append(o[0, N - 1]))
+        try:
+            for j in range(k):
+                hidden = self.padded(j)
+                tokens = torch.cat([self.ids[1:], torch.tensor(drafts, dtype=torch.long)])[None]
+                logits.clear()
+                steps = m(hidden_states=torch.cat([hidden[i] for i in self.aux], -1), input_ids=tokens,
+                          document_ids=torch.zeros_like(tokens), position_ids=torch.arange(N + j)[None], ttt_steps=j + 1)
+                d = int(steps[j][0, N - 1])  # a draft-vocabulary id
+                drafts.append(d + int(m.d2t[d]) if m.d2t is not None else d)
+        finally:
+            hook.remove()
+        ours = eagle3_reference(self.drafter, self.ids, self.padded(k), drafts, k)
+        return drafts, [max_diff(a, b) for a, b in zip(logits, ours)]
+
+
+class SpeculatorsEagle3(SpeculatorsFormat):
     name = "speculators"
     algorithm = "eagle3"
     engines = ("vllm",)
@@ -110,22 +159,14 @@ class SpeculatorsEagle3(Format):
     # ---- served equals trained (export/check.py) ------------------------------------
     free_keys = ("speculators_config.verifier.name_or_path",)  # --verifier: any path naming the target
 
-    def detect(self, config):
-        return config.get("speculators_model_type") == "eagle3"
-
-    def peer_proposer(self, out, config, drafter, target):
-        try:
-            from speculators import SpeculatorModelConfig
-            from speculators.models.eagle3 import Eagle3DraftModel
-        except ImportError:
-            return None
-        return SpeculatorsEagle3Peer(out, drafter, target, SpeculatorModelConfig, Eagle3DraftModel)
+    speculators_type = "eagle3"
+    peer_adapter = SpeculatorsEagle3Peer
+    peer_model = ("speculators.models.eagle3", "Eagle3DraftModel")
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators config.json"
-        if config.get("speculators_model_type") != "eagle3":
-            raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'")
+        check_speculators_type(config, "eagle3", where)
         on = [f for f in UNSUPPORTED_FLAGS if config.get(f, False)]  # speculators' defaults are false
         if on:
             raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's EAGLE-3")
@@ -162,53 +203,6 @@ class SpeculatorsEagle3(Format):
             **flags,
         }
 
-
-class SpeculatorsEagle3Peer(PeerProposer):
-    """Drafts with speculators' ``Eagle3DraftModel`` built from the export's config.json, its
-    weights loaded strictly (the embedding and the unused verifier norm/head are the target's or
-    its own, as speculators fills them from the verifier), through its own TTT ``forward``.
-
-    Its TTT step i at position t reads the token at t + i and attends to the real context plus
-    its own earlier steps at t: for position N - 1 (the last kept token) with the drafts so far
-    appended to the tokens, that is the chain draftlab drafts. One forward per draft (steps
-    0..j), each re-run over the whole history."""
-
-    peer = "speculators Eagle3DraftModel"
-
-    def __init__(self, out, drafter, target, config_cls, model_cls):
-        from draftlab.checkpoint import read_weights
-
-        super().__init__(drafter.capture_layers, drafter)
-        cfg = config_cls.from_pretrained(str(out))
-        cfg.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU path here
-        m = model_cls(cfg)
-        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
-        state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
-        for k in ("verifier_norm.weight", "verifier_lm_head.weight"):  # unused when drafting
-            state.setdefault(k, m.state_dict()[k])
-        try:
-            m.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise DraftlabError(f"{out}: speculators' Eagle3DraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
-        self.model, self.aux = m.float().eval(), list(cfg.eagle_aux_hidden_state_layer_ids)
-
-    def draft(self, k):
-        m, N = self.model, self.ids.numel() - 1
-        drafts, logits = [], []  # drafts: target ids (the tokens fed on), as the engine maps them with d2t
-        hook = m.lm_head.register_forward_hook(lambda mod, args, o: logits.append(o[0, N - 1]))
-        try:
-            for j in range(k):
-                hidden = self.padded(j)
-                tokens = torch.cat([self.ids[1:], torch.tensor(drafts, dtype=torch.long)])[None]
-                logits.clear()
-                steps = m(hidden_states=torch.cat([hidden[i] for i in self.aux], -1), input_ids=tokens,
-                          document_ids=torch.zeros_like(tokens), position_ids=torch.arange(N + j)[None], ttt_steps=j + 1)
-                d = int(steps[j][0, N - 1])  # a draft-vocabulary id
-                drafts.append(d + int(m.d2t[d]) if m.d2t is not None else d)
-        finally:
-            hook.remove()
-        ours = eagle3_reference(self.drafter, self.ids, self.padded(k), drafts, k)
-        return drafts, [max_diff(a, b) for a, b in zip(logits, ours)]
 
 
 def eagle3_reference(drafter, ids, hidden, drafts, k):

@@ -181,6 +181,38 @@ _GENERIC_KEYS = (
 )
 
 
+class SpeculatorsFormat(Format):
+    """A layout of vLLM's speculators library: an export is this format when its config's
+    ``speculators_model_type`` is :attr:`speculators_type`, and ``--check`` drafts with
+    speculators' own model class (``peer_model``: its module, and the class there, or None for the
+    module itself) inside :attr:`peer_adapter` (a :class:`~draftlab.export.check.PeerProposer`)."""
+
+    speculators_type: str = ""
+    peer_model: tuple[str, str | None] = ("", None)
+    peer_adapter: type | None = None
+    hook_attributes = {"detect": "speculators_type", "peer_proposer": "peer_adapter"}  # what each hook reads (check.own_hook)
+
+    def detect(self, config: dict) -> bool:
+        return config.get("speculators_model_type") == self.speculators_type
+
+    def peer_proposer(self, out: Path, config: dict, drafter, target):
+        import importlib
+
+        module, cls = self.peer_model
+        try:
+            from speculators import SpeculatorModelConfig
+
+            model = importlib.import_module(module)
+        except ImportError:
+            return None
+        return self.peer_adapter(out, drafter, target, SpeculatorModelConfig, getattr(model, cls) if cls else model)
+
+
+def check_speculators_type(config: dict, expected: str, where: str) -> None:
+    if config.get("speculators_model_type") != expected:
+        raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected {expected!r}")
+
+
 def layer_config(shape, num_layers: int, vocab_size: int, model_type: str = "llama", **overrides) -> dict:
     """The HF config dict of a drafter's decoder layers, written as a ``model_type`` config.
 

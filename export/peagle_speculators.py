@@ -27,82 +27,7 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.eagle3_speculators import SpeculatorsEagle3
-from draftlab.export.formats import ExportOptions, register, speculators_config
-
-
-class SpeculatorsPEagle(SpeculatorsEagle3):
-    name = "speculators-peagle"
-    algorithm = "peagle"
-    engines = ("vllm",)
-    renames = (("token_embedding.", "embed_tokens."),)
-    title = "speculators `peagle` format (vLLM P-EAGLE, `PEagleSpeculator`)"
-
-    def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
-        K = drafter.parallel_depth
-        if opts.speculative_tokens > K:
-            raise DraftlabError(f"--num-speculative-tokens {opts.speculative_tokens} exceeds the drafts this drafter makes per "
-                                f"forward (parallel_depth = {K}); pass at most {K}")
-        return {
-            **super().export_config(drafter, target, meta, opts),
-            "architectures": ["PEagleSpeculator"],
-            "speculators_model_type": "peagle",
-            "speculators_config": speculators_config("peagle", opts.speculative_tokens, target, opts),
-            "norm_output": False,
-            "mask_token_id": drafter.mask_token_id,
-            "embed_requires_grad": drafter.token_embedding is not None,
-        }
-
-    def serving(self, out, target_name, opts, config):
-        k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        return (
-            f"```bash\nvllm serve {out}\n```\n(vLLM reads the verifier from `speculators_config` and detects P-EAGLE from "
-            f"`speculators_model_type: peagle`), or next to the target: `--speculative-config "
-            f"'{{\"model\": \"{out}\", \"num_speculative_tokens\": {k}}}'`."
-        )
-
-    def notes(self, drafter, config):
-        emb = ("`embed_tokens.weight` is the drafter's own trained embedding (`embed_requires_grad: true`)."
-               if config["embed_requires_grad"] else "No `embed_tokens.weight`: the drafter uses the verifier's frozen embedding.")
-        return [
-            f"`eagle_aux_hidden_state_layer_ids = {config['eagle_aux_hidden_state_layer_ids']}`: HF `hidden_states` indices "
-            "(the input of decoder layer i), draftlab's `aux_layers` - no shift.",
-            f"Parallel drafting: slot 1 is the EAGLE-3 step, slots 2..{drafter.parallel_depth} read `mask_token_id = "
-            f"{config['mask_token_id']}` and the learned `mask_hidden`; all from one forward.",
-            emb,
-            "`norm_before_residual: false` is written explicitly (vLLM defaults a missing key to true).",
-        ]
-
-    # ---- served equals trained (export/check.py) ------------------------------------
-    def detect(self, config):
-        return config.get("speculators_model_type") == "peagle"
-
-    def peer_proposer(self, out, config, drafter, target):
-        try:
-            from speculators import SpeculatorModelConfig
-            from speculators.models.peagle import core
-        except ImportError:
-            return None
-        return SpeculatorsPEaglePeer(out, drafter, target, SpeculatorModelConfig, core)
-
-    # ---- import -----------------------------------------------------------------
-    def import_meta(self, config, tensors, target):
-        where = "speculators peagle config.json"
-        if config.get("speculators_model_type") != "peagle":
-            raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'peagle'")
-        if config.get("norm_output", False) is not False:
-            raise DraftlabError(f"{where}: norm_output = {config['norm_output']!r}; draftlab's P-EAGLE feeds no output state back")
-        # the EAGLE-3 part (layers, aux ids, vocab maps, fc_norm) reads exactly as an eagle3 config does
-        meta = super().import_meta({**config, "speculators_model_type": "eagle3"}, tensors, target)
-        del meta["norm_output"]
-        try:
-            k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        except (KeyError, IndexError, TypeError):
-            raise DraftlabError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens (the parallel depth) is missing") from None
-        mask = config.get("mask_token_id")
-        if mask is None:
-            raise DraftlabError(f"{where}: mask_token_id is missing")
-        # a checkpoint with an embedding trained its own; one without shares the verifier's
-        return {**meta, "parallel_depth": k, "mask_token_id": mask, "train_embedding": "token_embedding.weight" in tensors}
+from draftlab.export.formats import ExportOptions, check_speculators_type, register, speculators_config
 
 
 class SpeculatorsPEaglePeer(PeerProposer):
@@ -175,6 +100,74 @@ class SpeculatorsPEaglePeer(PeerProposer):
             d = d + m.d2t[d]
         ours = peagle_reference(self.drafter, self.ids, self.padded(1), k)
         return d.tolist(), [max_diff(a, b) for a, b in zip(theirs, ours)]
+
+
+class SpeculatorsPEagle(SpeculatorsEagle3):
+    name = "speculators-peagle"
+    algorithm = "peagle"
+    engines = ("vllm",)
+    renames = (("token_embedding.", "embed_tokens."),)
+    title = "speculators `peagle` format (vLLM P-EAGLE, `PEagleSpeculator`)"
+
+    def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
+        K = drafter.parallel_depth
+        if opts.speculative_tokens > K:
+            raise DraftlabError(f"--num-speculative-tokens {opts.speculative_tokens} exceeds the drafts this drafter makes per "
+                                f"forward (parallel_depth = {K}); pass at most {K}")
+        return {
+            **super().export_config(drafter, target, meta, opts),
+            "architectures": ["PEagleSpeculator"],
+            "speculators_model_type": "peagle",
+            "speculators_config": speculators_config("peagle", opts.speculative_tokens, target, opts),
+            "norm_output": False,
+            "mask_token_id": drafter.mask_token_id,
+            "embed_requires_grad": drafter.token_embedding is not None,
+        }
+
+    def serving(self, out, target_name, opts, config):
+        k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        return (
+            f"```bash\nvllm serve {out}\n```\n(vLLM reads the verifier from `speculators_config` and detects P-EAGLE from "
+            f"`speculators_model_type: peagle`), or next to the target: `--speculative-config "
+            f"'{{\"model\": \"{out}\", \"num_speculative_tokens\": {k}}}'`."
+        )
+
+    def notes(self, drafter, config):
+        emb = ("`embed_tokens.weight` is the drafter's own trained embedding (`embed_requires_grad: true`)."
+               if config["embed_requires_grad"] else "No `embed_tokens.weight`: the drafter uses the verifier's frozen embedding.")
+        return [
+            f"`eagle_aux_hidden_state_layer_ids = {config['eagle_aux_hidden_state_layer_ids']}`: HF `hidden_states` indices "
+            "(the input of decoder layer i), draftlab's `aux_layers` - no shift.",
+            f"Parallel drafting: slot 1 is the EAGLE-3 step, slots 2..{drafter.parallel_depth} read `mask_token_id = "
+            f"{config['mask_token_id']}` and the learned `mask_hidden`; all from one forward.",
+            emb,
+            "`norm_before_residual: false` is written explicitly (vLLM defaults a missing key to true).",
+        ]
+
+    # ---- served equals trained (export/check.py) ------------------------------------
+    speculators_type = "peagle"
+    peer_adapter = SpeculatorsPEaglePeer
+    peer_model = ("speculators.models.peagle.core", None)
+
+    # ---- import -----------------------------------------------------------------
+    def import_meta(self, config, tensors, target):
+        where = "speculators peagle config.json"
+        check_speculators_type(config, "peagle", where)
+        if config.get("norm_output", False) is not False:
+            raise DraftlabError(f"{where}: norm_output = {config['norm_output']!r}; draftlab's P-EAGLE feeds no output state back")
+        # the EAGLE-3 part (layers, aux ids, vocab maps, fc_norm) reads exactly as an eagle3 config does
+        meta = super().import_meta({**config, "speculators_model_type": "eagle3"}, tensors, target)
+        del meta["norm_output"]
+        try:
+            k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        except (KeyError, IndexError, TypeError):
+            raise DraftlabError(f"{where}: speculators_config.proposal_methods[0].speculative_tokens (the parallel depth) is missing") from None
+        mask = config.get("mask_token_id")
+        if mask is None:
+            raise DraftlabError(f"{where}: mask_token_id is missing")
+        # a checkpoint with an embedding trained its own; one without shares the verifier's
+        return {**meta, "parallel_depth": k, "mask_token_id": mask, "train_embedding": "token_embedding.weight" in tensors}
+
 
 
 def peagle_reference(drafter, ids, hidden, k):
