@@ -254,6 +254,8 @@ class GraphedTarget:
         key = (width, layers)
         if width > self.max_prefill:
             return None, "longer than max_prefill"
+        if width > getattr(self.target.config, "max_position_embeddings", width):  # a dynamic RoPE would rescale every position
+            return None, "padded past the target's positions"
         if ("prefill", *key) in self._failed:
             return None, self._failed[("prefill", *key)]
         if key not in self._prefills:

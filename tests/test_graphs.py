@@ -186,6 +186,11 @@ def test_prefills_replay_padded_graphs(tiny_llama):
     assert graphed.stats["prefill widths captured"] == 4 and graphed.stats["prefills replayed"] == 5
     assert graphed.prefill_prompt(torch.zeros(65, dtype=torch.long), ()) is None
     assert graphed.stats["eager prefill: longer than max_prefill"] == 1
+    positions = tiny_llama.config.max_position_embeddings  # a prompt whose padding would pass them: eager
+    wide = GraphedTarget(tiny_llama, mode="replay", max_prefill=4 * positions)
+    assert wide.prefill_prompt(torch.zeros(positions // 2 + 1, dtype=torch.long), ()) is not None
+    assert wide.prefill_prompt(torch.zeros(positions + 1, dtype=torch.long), ()) is None
+    assert wide.stats["eager prefill: padded past the target's positions"] == 1
 
 
 def test_decodings_in_lockstep_hold_buffers_of_their_own(tiny_llama, prompts):
