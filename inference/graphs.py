@@ -18,7 +18,8 @@ same cache, as do shapes whose capture fails (an op that waits on the host), and
 A prompt's prefill (:meth:`GraphedTarget.prefill_prompt`) replays a graph of its width rounded up
 to a power of two, in a one-row buffer of that width's own, and the caller copies the prompt's
 K/V into its row: eagerly, a prefill launches a whole forward's kernels once per prompt, which on
-a GPU costs tens of decode steps. Prompts longer than ``max_prefill`` run eagerly.
+a GPU costs tens of decode steps. Prompts longer than ``max_prefill``, or whose padding would pass
+the target's positions, run eagerly.
 
 ``mode="replay"`` runs the same code on any device without CUDA: a "replay" runs the captured
 function again from its buffers, so tests on CPU prove a replayed step reads nothing but what
@@ -226,8 +227,8 @@ class GraphedTarget:
     @torch.no_grad()
     def prefill_prompt(self, prompt: torch.Tensor, layers) -> Prefilled | None:
         """The prefill of one prompt [T] on the device (K/V, last logits, ``layers``' hidden
-        states), replayed from its width's graph; None where it runs eagerly (longer than
-        ``max_prefill``, or its capture failed): the caller then prefills it over its own cache.
+        states), replayed from its width's graph; None where it runs eagerly (see
+        :meth:`_prefill_graph`): the caller then prefills it over its own cache.
         The padding follows the prompt, so causal attention keeps it out of every prompt
         position, and the caller takes the prompt's T slots only."""
         n, layers = prompt.numel(), tuple(sorted(layers))
@@ -242,6 +243,7 @@ class GraphedTarget:
         return Prefilled(graph.cache.k[:, 0, :, :n].clone(), graph.cache.v[:, 0, :, :n].clone(), out.logits[0].clone(),
                          {i: out.hidden[i][:, :n].clone() for i in layers})
 
+    @torch.no_grad()
     def capture_prefills(self, lengths, layer_sets) -> None:
         """Capture the prefill graphs that prompts of these ``lengths`` need for each set of
         layers (before timing: a capture costs a few forwards)."""
