@@ -75,19 +75,17 @@ def prefill(target, prompts, slots, layers, cache, forward, prompt_cache: Prompt
     last, hidden = [], []
     for p, s in zip(prompts, slots):
         n = p.numel()
-        done = prompt_cache.get(p, layers) if prompt_cache is not None else None
+        done = kept = prompt_cache.get(p, layers) if prompt_cache is not None else None
         if done is None and hasattr(target, "prefill_prompt"):  # a GraphedTarget: replayed in its own buffer
             done = forward(target.prefill_prompt, p, layers)
-            if done is not None and prompt_cache is not None:
-                prompt_cache.put(p, done)
         if done is None:
             out = forward(target, p[None], layers=list(layers), cache=cache.row(s), logits="last")
             done = Prefilled(cache.k[:, s, :, :n].clone(), cache.v[:, s, :, :n].clone(), out.logits[0, -1], out.hidden)
-            if prompt_cache is not None:
-                prompt_cache.put(p, done)
         else:
             cache.k[:, s, :, :n] = done.k
             cache.v[:, s, :, :n] = done.v
+        if kept is None and prompt_cache is not None:
+            prompt_cache.put(p, done)
         cache.lengths[s] = n  # what the row view filled or the copy wrote
         last.append(done.logits)
         hidden.append({i: done.hidden[i] for i in layers})
