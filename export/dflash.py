@@ -56,7 +56,6 @@ from draftlab.export.formats import (
     ExportOptions,
     Format,
     SpeculatorsFormat,
-    check_speculators_type,
     layer_config,
     register,
     serving_aux_ids,
@@ -238,7 +237,6 @@ class SpeculatorsDFlash(SpeculatorsFormat):
         ]
 
     # ---- served equals trained (export/check.py) ------------------------------------
-    free_keys = ("speculators_config.verifier.name_or_path",)  # --verifier: any path naming the target
 
     speculators_type = "dflash"
     peer_adapter = SpeculatorsDFlashPeer
@@ -246,8 +244,8 @@ class SpeculatorsDFlash(SpeculatorsFormat):
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
-        where = "speculators dflash config.json"
-        check_speculators_type(config, "dflash", where)
+        where = f"speculators {self.speculators_type} config.json"
+        self.check_type(config, where)
         if config.get("sample_from_anchor", False):
             raise DraftlabError(f"{where}: sample_from_anchor = true is not draftlab's block (slot 0 holds the anchor)")
         tl = config.get("transformer_layer_config")

@@ -33,7 +33,7 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.export.check import max_diff
 from draftlab.export.dflash import SpeculatorsDFlash, SpeculatorsDFlashPeer
-from draftlab.export.formats import ExportOptions, check_speculators_type, register, speculators_config
+from draftlab.export.formats import ExportOptions, register, speculators_config
 from draftlab.models.dspark import MARKOV_KINDS
 
 
@@ -111,7 +111,7 @@ class SpeculatorsDSpark(SpeculatorsDFlash):
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators dspark config.json"
-        check_speculators_type(config, "dspark", where)
+        self.check_type(config, where)
         if config.get("sample_from_anchor", True):  # speculators' dspark default is true
             raise DraftlabError(f"{where}: sample_from_anchor is true (or unset: DSpark's default); draftlab's block holds the anchor in slot 0")
         rank = config.get("markov_rank", 256)
@@ -124,7 +124,7 @@ class SpeculatorsDSpark(SpeculatorsDFlash):
             if config.get(flag, True) is not True:
                 raise DraftlabError(f"{where}: {flag} = {config[flag]!r}; draftlab's DSpark has a confidence head over [state; W1[prev]]")
         # the backbone is speculators' DFlash layout: its checks and meta (sample_from_anchor false included)
-        meta = super().import_meta({**config, "speculators_model_type": "dflash"}, tensors, target)
+        meta = super().import_meta(config, tensors, target)
         return {**meta, "markov_rank": rank, "markov_head_type": kind}
 
 

@@ -35,7 +35,6 @@ from draftlab.models.eagle import Eagle3Drafter
 from draftlab.export.formats import (
     ExportOptions,
     SpeculatorsFormat,
-    check_speculators_type,
     layer_config,
     register,
     serving_aux_ids,
@@ -157,7 +156,6 @@ class SpeculatorsEagle3(SpeculatorsFormat):
         ] + (["Qwen2-style q/k/v biases are kept; `o_proj.bias` is written as zeros (Llama layers with `attention_bias` have one)."] if drafter.shape.attention_bias else [])
 
     # ---- served equals trained (export/check.py) ------------------------------------
-    free_keys = ("speculators_config.verifier.name_or_path",)  # --verifier: any path naming the target
 
     speculators_type = "eagle3"
     peer_adapter = SpeculatorsEagle3Peer
@@ -165,8 +163,8 @@ class SpeculatorsEagle3(SpeculatorsFormat):
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
-        where = "speculators config.json"
-        check_speculators_type(config, "eagle3", where)
+        where = f"speculators {self.speculators_type} config.json"
+        self.check_type(config, where)
         on = [f for f in UNSUPPORTED_FLAGS if config.get(f, False)]  # speculators' defaults are false
         if on:
             raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's EAGLE-3")

@@ -191,9 +191,16 @@ class SpeculatorsFormat(Format):
     peer_model: tuple[str, str | None] = ("", None)
     peer_adapter: type | None = None
     hook_attributes = {"detect": "speculators_type", "peer_proposer": "peer_adapter"}  # what each hook reads (check.own_hook)
+    free_keys = ("speculators_config.verifier.name_or_path",)  # --verifier: any path naming the target
 
     def detect(self, config: dict) -> bool:
         return config.get("speculators_model_type") == self.speculators_type
+
+    def check_type(self, config: dict, where: str) -> None:
+        """An import's first check: the config is of this layout."""
+        found = config.get("speculators_model_type")
+        if found != self.speculators_type:
+            raise DraftlabError(f"{where}: speculators_model_type is {found!r}, expected {self.speculators_type!r}")
 
     def peer_proposer(self, out: Path, config: dict, drafter, target):
         import importlib
@@ -206,11 +213,6 @@ class SpeculatorsFormat(Format):
         except ImportError:
             return None
         return self.peer_adapter(out, drafter, target, SpeculatorModelConfig, getattr(model, cls) if cls else model)
-
-
-def check_speculators_type(config: dict, expected: str, where: str) -> None:
-    if config.get("speculators_model_type") != expected:
-        raise DraftlabError(f"{where}: speculators_model_type is {config.get('speculators_model_type')!r}, expected {expected!r}")
 
 
 def layer_config(shape, num_layers: int, vocab_size: int, model_type: str = "llama", **overrides) -> dict:

@@ -27,7 +27,7 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.eagle3_speculators import SpeculatorsEagle3
-from draftlab.export.formats import ExportOptions, check_speculators_type, register, speculators_config
+from draftlab.export.formats import ExportOptions, register, speculators_config
 
 
 class SpeculatorsPEaglePeer(PeerProposer):
@@ -152,11 +152,11 @@ class SpeculatorsPEagle(SpeculatorsEagle3):
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
         where = "speculators peagle config.json"
-        check_speculators_type(config, "peagle", where)
+        self.check_type(config, where)
         if config.get("norm_output", False) is not False:
             raise DraftlabError(f"{where}: norm_output = {config['norm_output']!r}; draftlab's P-EAGLE feeds no output state back")
         # the EAGLE-3 part (layers, aux ids, vocab maps, fc_norm) reads exactly as an eagle3 config does
-        meta = super().import_meta({**config, "speculators_model_type": "eagle3"}, tensors, target)
+        meta = super().import_meta(config, tensors, target)
         del meta["norm_output"]
         try:
             k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
