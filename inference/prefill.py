@@ -31,7 +31,7 @@ class PromptCache:
     hidden states the forward would."""
 
     def __init__(self, target, max_bytes: int = 2 << 30):
-        self.target, self.max_bytes = _model(target), max_bytes
+        self.target, self.max_bytes = base_model(target), max_bytes
         self._kept: OrderedDict[tuple[int, ...], Prefilled] = OrderedDict()
         self.bytes = self.hits = self.misses = 0
 
@@ -58,9 +58,9 @@ class PromptCache:
             self.bytes -= self._kept.popitem(last=False)[1].bytes
 
 
-def _model(target):
-    """The model whose prefills these are: a ``GraphedTarget``'s own (the host loop prefills
-    through the wrapper, the device loop through the model)."""
+def base_model(target):
+    """The model under a ``GraphedTarget`` (or ``target`` itself): what owns the prompt cache's
+    prefills and the device loop's caches, whichever loop runs through the wrapper."""
     return getattr(target, "target", target)
 
 
@@ -70,7 +70,7 @@ def prefill(target, prompts, slots, layers, cache, forward, prompt_cache: Prompt
     forward per prompt: padding a 33- and a 2,544-token prompt to one forward would compute the
     short one's padding. Returns the logits at each prompt's last position [B, V] and each
     prompt's hidden states ({layer: [1, T_r, H]})."""
-    if prompt_cache is not None and prompt_cache.target is not _model(target):
+    if prompt_cache is not None and prompt_cache.target is not base_model(target):
         raise ValueError("prompt_cache: it holds another target's prefills")
     last, hidden = [], []
     for p, s in zip(prompts, slots):

@@ -37,7 +37,7 @@ from collections import Counter
 import torch
 
 from draftlab.device import device_ints
-from draftlab.inference.prefill import prefill
+from draftlab.inference.prefill import base_model, prefill
 from draftlab.inference.results import BatchResult, Clock, Emitter, GenerationResult, Stopwatch
 from draftlab.inference.sampling import Sampling
 from draftlab.inference.shapes import DynamicTree, StaticTree
@@ -286,7 +286,7 @@ def _loop_for(target, proposer, rows: int, room: int, shape, layers, sampling: S
     decoding holds the one of its shape: decodings in lockstep each need their own)."""
     room = -(-room // ROOM_MULTIPLE) * ROOM_MULTIPLE
     key = (id(proposer), rows, room, _shape_key(shape), sampling.temperature, sampling.top_k, sampling.top_p, mode, backend)
-    base = getattr(target, "target", target)
+    base = base_model(target)
     kept = kept_loops(base)
     loop = kept.get(key)
     if loop is not None and not loop.busy and loop.owner() is proposer:
