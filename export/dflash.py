@@ -237,15 +237,14 @@ class SpeculatorsDFlash(SpeculatorsFormat):
         ]
 
     # ---- served equals trained (export/check.py) ------------------------------------
-
     speculators_type = "dflash"
     peer_adapter = SpeculatorsDFlashPeer
     peer_model = ("speculators.models.dflash", "DFlashDraftModel")
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
-        where = f"speculators {self.speculators_type} config.json"
-        self.check_type(config, where)
+        where = self.where
+        self.check_type(config)
         if config.get("sample_from_anchor", False):
             raise DraftlabError(f"{where}: sample_from_anchor = true is not draftlab's block (slot 0 holds the anchor)")
         tl = config.get("transformer_layer_config")

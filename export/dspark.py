@@ -110,8 +110,8 @@ class SpeculatorsDSpark(SpeculatorsDFlash):
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
-        where = "speculators dspark config.json"
-        self.check_type(config, where)
+        where = self.where
+        self.check_type(config)
         if config.get("sample_from_anchor", True):  # speculators' dspark default is true
             raise DraftlabError(f"{where}: sample_from_anchor is true (or unset: DSpark's default); draftlab's block holds the anchor in slot 0")
         rank = config.get("markov_rank", 256)

@@ -156,15 +156,14 @@ class SpeculatorsEagle3(SpeculatorsFormat):
         ] + (["Qwen2-style q/k/v biases are kept; `o_proj.bias` is written as zeros (Llama layers with `attention_bias` have one)."] if drafter.shape.attention_bias else [])
 
     # ---- served equals trained (export/check.py) ------------------------------------
-
     speculators_type = "eagle3"
     peer_adapter = SpeculatorsEagle3Peer
     peer_model = ("speculators.models.eagle3", "Eagle3DraftModel")
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
-        where = f"speculators {self.speculators_type} config.json"
-        self.check_type(config, where)
+        where = self.where
+        self.check_type(config)
         on = [f for f in UNSUPPORTED_FLAGS if config.get(f, False)]  # speculators' defaults are false
         if on:
             raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's EAGLE-3")

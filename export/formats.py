@@ -196,11 +196,16 @@ class SpeculatorsFormat(Format):
     def detect(self, config: dict) -> bool:
         return config.get("speculators_model_type") == self.speculators_type
 
-    def check_type(self, config: dict, where: str) -> None:
+    @property
+    def where(self) -> str:
+        """The config an import's errors name."""
+        return f"speculators {self.speculators_type} config.json"
+
+    def check_type(self, config: dict) -> None:
         """An import's first check: the config is of this layout."""
         found = config.get("speculators_model_type")
         if found != self.speculators_type:
-            raise DraftlabError(f"{where}: speculators_model_type is {found!r}, expected {self.speculators_type!r}")
+            raise DraftlabError(f"{self.where}: speculators_model_type is {found!r}, expected {self.speculators_type!r}")
 
     def peer_proposer(self, out: Path, config: dict, drafter, target):
         import importlib

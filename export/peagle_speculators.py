@@ -151,8 +151,8 @@ class SpeculatorsPEagle(SpeculatorsEagle3):
 
     # ---- import -----------------------------------------------------------------
     def import_meta(self, config, tensors, target):
-        where = "speculators peagle config.json"
-        self.check_type(config, where)
+        where = self.where
+        self.check_type(config)
         if config.get("norm_output", False) is not False:
             raise DraftlabError(f"{where}: norm_output = {config['norm_output']!r}; draftlab's P-EAGLE feeds no output state back")
         # the EAGLE-3 part (layers, aux ids, vocab maps, fc_norm) reads exactly as an eagle3 config does
