@@ -23,6 +23,11 @@ the layout SpecForge trains and exports.
   the un-normed state. So a drafter trained with ``norm_output`` (the normalised state fed on)
   has no SpecForge form and is refused, and the key is not written (a reader of speculators'
   meaning then sees false, which is right for every drafter this exports).
+* speculators' ``norm_before_fc`` (one RMSNorm over the concatenated aux states) and
+  ``norm_before_residual`` (the first layer's residual is the normed feature) are not in SpecForge
+  0.2.0's ``LlamaForCausalLMEagle3`` (``project_hidden_states`` applies only ``fc_norm``; its
+  ``midlayer`` keeps ``residual = hidden_states`` before ``hidden_norm``): drafters with either are
+  refused, and the import ignores both keys, as that model does.
 """
 
 from __future__ import annotations
@@ -64,6 +69,12 @@ class SGLangEagle3(Format):
                 "--to sglang: drafter.norm_output feeds the normalised state to the next draft step; SpecForge's "
                 "LlamaForCausalLMEagle3 always feeds the un-normed one (its norm_output only places the norm before lm_head)"
             )
+        if drafter.input_norm is not None:
+            raise DraftlabError("--to sglang: drafter.norm_before_fc normalises the concatenated aux states before fc; "
+                                "SpecForge's LlamaForCausalLMEagle3 has no such norm (input_norm)")
+        if drafter.layers[0].norm_before_residual:
+            raise DraftlabError("--to sglang: drafter.norm_before_residual makes the normalised feature the residual; "
+                                "SpecForge's LlamaForCausalLMEagle3 always keeps the un-normed one")
 
     def export_config(self, drafter, target, meta, opts: ExportOptions) -> dict:
         s = drafter.shape

@@ -11,12 +11,16 @@ Checked against speculators 0.9.0 (``Eagle3SpeculatorConfig``, ``Eagle3DraftMode
   map one to one and Qwen2-family drafters map with ``attention_bias: true`` plus an exact-zero
   ``o_proj.bias`` (HF/vLLM Llama put a bias on o_proj too when attention_bias is set).
   Qwen3-family drafters (q/k RMSNorm) are refused: vLLM's Llama layer has no q/k norm.
-* ``norm_before_residual`` is written explicitly as ``false`` (draftlab's residual is the
-  un-normed fused feature): vLLM defaults a missing key to ``true``, speculators to ``false``.
-* EAGLE-3.1's ``fc_norm`` (``fc_norm.{i}.weight``, one RMSNorm per aux state before ``fc``) and
-  ``norm_output`` (the state after ``norm`` is both what ``lm_head`` reads and what the next draft
-  step is fed) are speculators' fields of the same names and meanings, written as the drafter has
-  them; ``norm_before_fc`` (one norm over the concatenation) is not draftlab's and stays false.
+* speculators' architecture flags are draftlab's fields of the same names and meanings, written
+  as the drafter has them: ``norm_before_fc`` (``input_norm.weight``, one RMSNorm over the
+  concatenated aux states before ``fc``), ``norm_before_residual`` (the first layer's residual is
+  ``hidden_norm`` of the fused feature), EAGLE-3.1's ``fc_norm`` (``fc_norm.{i}.weight``, one
+  RMSNorm per aux state before ``fc``) and ``norm_output`` (the state after ``norm`` is both what
+  ``lm_head`` reads and what the next draft step is fed); speculators' trainer turns all but
+  ``fc_norm`` on by default. Each is written explicitly: vLLM defaults a missing
+  ``norm_before_residual`` to ``true``, speculators to ``false``. vLLM reads all four
+  (``update_eagle3``; its ``Eagle3LlamaForCausalLM`` builds ``input_norm`` for ``norm_before_fc``
+  in releases that have it, older ones have none to load the tensor into).
 * Aux layers: speculators' ``eagle_aux_hidden_state_layer_ids`` and vLLM's
   ``aux_hidden_state_layers`` index the *input* of decoder layer i (vLLM appends
   ``hidden_states + residual`` before running layer i) — HF ``hidden_states[i]``, which is
@@ -45,10 +49,9 @@ from draftlab.export.formats import (
 )
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this layout was checked against
-# Architecture flags of speculators' Eagle3 model draftlab's EAGLE-3 does not implement: each
-# must be false (norm_before_residual: draftlab's residual is the un-normed fused feature).
-UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc")
-EAGLE31_FLAGS = ("fc_norm", "norm_output")  # EAGLE-3.1: the same fields on both sides
+# Architecture flags of speculators' Eagle3 model: the same fields (and meanings) on both sides,
+# each false when absent (speculators' config defaults)
+FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 class SpeculatorsEagle3Peer(PeerProposer):
@@ -130,8 +133,8 @@ class SpeculatorsEagle3(SpeculatorsFormat):
             "draft_vocab_size": drafter.lm_head.out_features,
             "target_hidden_size": s.hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layers),
-            "norm_before_residual": False,
-            "norm_before_fc": False,
+            "norm_before_residual": drafter.layers[0].norm_before_residual,
+            "norm_before_fc": drafter.input_norm is not None,
             "fc_norm": drafter.fc_norm is not None,
             "norm_output": drafter.norm_output,
             "embed_requires_grad": False,
@@ -146,14 +149,19 @@ class SpeculatorsEagle3(SpeculatorsFormat):
         )
 
     def notes(self, drafter, config):
-        return [
+        notes = [
             f"`eagle_aux_hidden_state_layer_ids = {config['eagle_aux_hidden_state_layer_ids']}`: HF `hidden_states` indices "
             "(the input of decoder layer i), the convention of speculators, vLLM and draftlab's `aux_layers` - no shift.",
-            "`norm_before_residual: false` is written explicitly (vLLM defaults a missing key to true).",
             "No `embed_tokens.weight`: vLLM shares the target's embedding, as draftlab does.",
-            f"EAGLE-3.1 flags as trained: `fc_norm: {str(config['fc_norm']).lower()}`, "
-            f"`norm_output: {str(config['norm_output']).lower()}` (vLLM's eagle3 reads both from this config).",
-        ] + (["Qwen2-style q/k/v biases are kept; `o_proj.bias` is written as zeros (Llama layers with `attention_bias` have one)."] if drafter.shape.attention_bias else [])
+            "Architecture flags as trained, each written explicitly (vLLM defaults a missing `norm_before_residual` to true): "
+            + ", ".join(f"`{f}: {str(config[f]).lower()}`" for f in FLAGS) + ".",
+        ]
+        if config["norm_before_fc"]:
+            notes.append("`norm_before_fc: true` (`input_norm.weight`): serve with a vLLM whose Eagle3LlamaForCausalLM reads "
+                         "norm_before_fc and builds `input_norm`; an older one has no `input_norm` to load that tensor into.")
+        if drafter.shape.attention_bias:
+            notes.append("Qwen2-style q/k/v biases are kept; `o_proj.bias` is written as zeros (Llama layers with `attention_bias` have one).")
+        return notes
 
     # ---- served equals trained (export/check.py) ------------------------------------
     speculators_type = "eagle3"
@@ -164,10 +172,7 @@ class SpeculatorsEagle3(SpeculatorsFormat):
     def import_meta(self, config, tensors, target):
         where = self.where
         self.check_type(config)
-        on = [f for f in UNSUPPORTED_FLAGS if config.get(f, False)]  # speculators' defaults are false
-        if on:
-            raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's EAGLE-3")
-        flags = {f: config.get(f, False) for f in EAGLE31_FLAGS}
+        flags = {f: config.get(f, False) for f in FLAGS}
         bad = [f"{f} = {v!r}" for f, v in flags.items() if type(v) is not bool]
         if bad:
             raise DraftlabError(f"{where}: {', '.join(bad)} must be true or false")

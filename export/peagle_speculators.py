@@ -12,7 +12,8 @@ maps, EAGLE-3.1 ``fc_norm``) plus
   sharing the target's frozen one writes none (vLLM and speculators then take the verifier's);
 * ``speculators_config``'s ``speculative_tokens``: the slots drafted per forward (speculators
   writes ``num_depths`` there), at most the drafter's ``parallel_depth``;
-* ``norm_output`` is always false: no slot reads another's output state.
+* ``norm_output`` is always false (no slot reads another's output state), and so are
+  ``norm_before_fc`` and ``norm_before_residual``, which draftlab's P-EAGLE does not implement.
 
 ``draftlab check`` / ``export --check`` load the export with speculators' ``PEagleDraftModel``
 and draft greedy chains with its own forward (:class:`SpeculatorsPEaglePeer`).
@@ -28,6 +29,7 @@ from draftlab.errors import DraftlabError
 from draftlab.export.check import PeerProposer, max_diff
 from draftlab.export.eagle3_speculators import SpeculatorsEagle3
 from draftlab.export.formats import ExportOptions, register, speculators_config
+from draftlab.models.peagle import EAGLE3_ONLY
 
 
 class SpeculatorsPEaglePeer(PeerProposer):
@@ -155,9 +157,11 @@ class SpeculatorsPEagle(SpeculatorsEagle3):
         self.check_type(config)
         if config.get("norm_output", False) is not False:
             raise DraftlabError(f"{where}: norm_output = {config['norm_output']!r}; draftlab's P-EAGLE feeds no output state back")
+        on = [f for f in EAGLE3_ONLY if config.get(f, False)]  # speculators' P-EAGLE has them, draftlab's does not
+        if on:
+            raise DraftlabError(f"{where}: {', '.join(on)} = true is not implemented by draftlab's P-EAGLE")
         # the EAGLE-3 part (layers, aux ids, vocab maps, fc_norm) reads exactly as an eagle3 config does
-        meta = super().import_meta(config, tensors, target)
-        del meta["norm_output"]
+        meta = {k: v for k, v in super().import_meta(config, tensors, target).items() if k not in EAGLE3_ONLY}
         try:
             k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
         except (KeyError, IndexError, TypeError):

@@ -111,20 +111,31 @@ class Eagle3Config(BaseModel):
     normalize_fc_input: bool = Field(
         True,
         description="scale each fused input channel by 1/RMS measured on training data (folded into fc.weight on export); "
-        "off by default when fc_norm is on",
+        "off by default when fc_norm or norm_before_fc is on",
     )
     fc_norm: bool = Field(False, description="EAGLE-3.1: a learned RMSNorm on each fused target hidden state before fc")
+    norm_before_fc: bool = Field(
+        False, description="one learned RMSNorm over the concatenated fused target hidden states before fc "
+        "(speculators' norm_before_fc, on by default in its trainer)",
+    )
     norm_output: bool = Field(
         False, description="EAGLE-3.1: the next draft step reads the normalised output state (the one lm_head reads)"
+    )
+    norm_before_residual: bool = Field(
+        False, description="the first layer's residual stream is the normalised fused feature, hidden_norm(h), not h "
+        "(speculators' norm_before_residual, on by default in its trainer)",
     )
 
     @model_validator(mode="after")
     def _one_input_normalisation(self):
-        # fc_norm normalises each fused state itself, and a fixed scale in front of it would not
-        # fold into fc on export (the norm divides by the scaled state's RMS)
-        if self.fc_norm and self.normalize_fc_input:
+        # fc_norm and norm_before_fc each normalise fc's input (one is enough), and a fixed scale in
+        # front of a norm would not fold into fc on export (the norm divides by the scaled state's RMS)
+        learned = [f for f in ("fc_norm", "norm_before_fc") if getattr(self, f)]
+        if len(learned) == 2:
+            raise PydanticCustomError("fc_norm", "fc_norm and norm_before_fc both normalise fc's input; set one")
+        if learned and self.normalize_fc_input:
             if "normalize_fc_input" in self.model_fields_set:
-                raise PydanticCustomError("fc_norm", "fc_norm and normalize_fc_input both normalise fc's input; set one")
+                raise PydanticCustomError(learned[0], f"{learned[0]} and normalize_fc_input both normalise fc's input; set one")
             self.normalize_fc_input = False
         return self
 
@@ -135,6 +146,8 @@ class Eagle3Meta(EagleMeta):
     normalize_fc_input: StrictBool = False
     fc_norm: StrictBool = False
     norm_output: StrictBool = False
+    norm_before_fc: StrictBool = False  # both absent from checkpoints written before them: off
+    norm_before_residual: StrictBool = False
 
 
 KIND_DESCRIPTION = "ce: soft cross-entropy to the target's distribution; nla | lk_hybrid: the LK acceptance losses"
@@ -164,12 +177,15 @@ class Eagle3Drafter(EagleBase):
     def __init__(
         self, shape: LayerShape, vocab_size: int, draft_vocab_size: int, aux_layers: list[int], num_layers: int,
         normalize_fc_input: bool = False, fc_norm: bool = False, norm_output: bool = False,
+        norm_before_fc: bool = False, norm_before_residual: bool = False,
     ):
-        super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, fuse_embedding=True))
+        super().__init__(shape, vocab_size, num_layers, DecoderLayer(shape, fuse_embedding=True, norm_before_residual=norm_before_residual))
         H = shape.hidden_size
         self.aux_layers = list(aux_layers)
         # a fixed per-channel 1/RMS in front of fc (models/feature_scale.py), folded into fc on export
         self.register_buffer("fc_input_scale", torch.ones(len(aux_layers) * H) if normalize_fc_input else None)
+        # speculators' norm_before_fc: one learned RMSNorm over the whole concatenation, named as speculators names it
+        self.input_norm = RMSNorm(len(aux_layers) * H, shape.rms_norm_eps) if norm_before_fc else None
         # EAGLE-3.1: one learned RMSNorm per fused state, named as speculators and SpecForge name them
         self.fc_norm = nn.ModuleList([RMSNorm(H, shape.rms_norm_eps) for _ in aux_layers]) if fc_norm else None
         self.norm_output = norm_output
@@ -206,6 +222,8 @@ class Eagle3Drafter(EagleBase):
             "normalize_fc_input": cfg.normalize_fc_input,
             "fc_norm": cfg.fc_norm,
             "norm_output": cfg.norm_output,
+            "norm_before_fc": cfg.norm_before_fc,
+            "norm_before_residual": cfg.norm_before_residual,
         }
 
     def init_weights(self, cfg: Eagle3Config, target, samples=None) -> None:
@@ -227,6 +245,8 @@ class Eagle3Drafter(EagleBase):
             "normalize_fc_input": self.fc_input_scale is not None,
             "fc_norm": self.fc_norm is not None,
             "norm_output": self.norm_output,
+            "norm_before_fc": self.input_norm is not None,
+            "norm_before_residual": self.layers[0].norm_before_residual,
         }
 
     def export_state_dict(self):
@@ -250,7 +270,7 @@ class Eagle3Drafter(EagleBase):
     def from_meta(cls, meta: dict, target) -> "Eagle3Drafter":
         m = cls(
             LayerShape(**meta["shape"]), meta["vocab_size"], meta["draft_vocab_size"], meta["aux_layers"], meta["num_layers"],
-            meta["normalize_fc_input"], meta["fc_norm"], meta["norm_output"],
+            meta["normalize_fc_input"], meta["fc_norm"], meta["norm_output"], meta["norm_before_fc"], meta["norm_before_residual"],
         )
         m.num_target_layers = meta["num_target_layers"]
         return m.attach(target)
@@ -261,10 +281,11 @@ class Eagle3Drafter(EagleBase):
         return sorted(set(self.aux_layers) | {self.num_target_layers})
 
     def features(self, hidden):
+        x = torch.cat([hidden[i] for i in self.aux_layers], dim=-1)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
         if self.fc_norm is not None:
-            x = torch.cat([norm(hidden[i]) for norm, i in zip(self.fc_norm, self.aux_layers)], dim=-1)
-        else:
-            x = torch.cat([hidden[i] for i in self.aux_layers], dim=-1)
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         if self.fc_input_scale is not None:
             x = x * self.fc_input_scale
         return self.fc(x)

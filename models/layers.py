@@ -185,15 +185,17 @@ class DecoderLayer(nn.Module):
     * standard (``input_norm=True``): ``x = input_layernorm(h)``;
     * EAGLE-1's first layer (``input_norm=False``): the fc output enters attention un-normed;
     * EAGLE-3's first layer (``fuse_embedding=True``): attention reads
-      ``[input_layernorm(embedding); hidden_norm(h)]`` (2H wide); the residual stream is ``h``.
+      ``[input_layernorm(embedding); hidden_norm(h)]`` (2H wide); the residual stream is ``h``,
+      or ``hidden_norm(h)`` with ``norm_before_residual`` (speculators' flag of that name).
 
     ``attend(q, k, v)`` is supplied by the caller: causal, KV-cached, tree-masked or TTT.
     """
 
-    def __init__(self, shape: LayerShape, input_norm: bool = True, fuse_embedding: bool = False):
+    def __init__(self, shape: LayerShape, input_norm: bool = True, fuse_embedding: bool = False, norm_before_residual: bool = False):
         super().__init__()
         H = shape.hidden_size
         self.fuse_embedding = fuse_embedding
+        self.norm_before_residual = norm_before_residual
         if input_norm or fuse_embedding:
             self.input_layernorm = RMSNorm(H, shape.rms_norm_eps)
         if fuse_embedding:
@@ -204,7 +206,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, attend, emb=None):
         if self.fuse_embedding:
-            x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+            normed = self.hidden_norm(h)
+            x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+            if self.norm_before_residual:
+                h = normed
         elif hasattr(self, "input_layernorm"):
             x = self.input_layernorm(h)
         else:

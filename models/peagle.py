@@ -46,6 +46,13 @@ class PEagleConfig(Eagle3Config):
             raise PydanticCustomError("norm_output", "P-EAGLE feeds no draft's output state to the next draft; norm_output has no effect")
         return v
 
+    @field_validator("norm_before_fc", "norm_before_residual")
+    @classmethod
+    def _eagle3_only(cls, v, info):
+        if v:  # speculators' P-EAGLE has them; draftlab's does not implement them
+            raise PydanticCustomError(info.field_name, f"{info.field_name} is not implemented by draftlab's P-EAGLE")
+        return v
+
 
 class PEagleMeta(EagleMeta):
     draft_vocab_size: DraftVocabSize
@@ -55,6 +62,9 @@ class PEagleMeta(EagleMeta):
     parallel_depth: Count(2, MAX_K, "tokens drafted per forward")
     mask_token_id: TokenId
     train_embedding: StrictBool
+
+
+EAGLE3_ONLY = ("norm_output", "norm_before_fc", "norm_before_residual")  # Eagle3Drafter's meta fields P-EAGLE has not
 
 
 class PEagleLoss(AcceptanceLossFields):
@@ -88,8 +98,7 @@ class PEagleDrafter(Eagle3Drafter):
     def config_meta(cls, cfg: PEagleConfig, target, samples=None) -> dict:
         from draftlab.models.diffusion import unused_token
 
-        meta = super().config_meta(cfg, target, samples)
-        del meta["norm_output"]
+        meta = {k: v for k, v in super().config_meta(cfg, target, samples).items() if k not in EAGLE3_ONLY}
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(samples, target.vocab_size)
         return {**meta, "parallel_depth": cfg.parallel_depth, "mask_token_id": mask, "train_embedding": cfg.train_embedding}
 
@@ -104,8 +113,7 @@ class PEagleDrafter(Eagle3Drafter):
                 self.mask_hidden.div_(self.fc_input_scale)
 
     def meta(self) -> dict:
-        meta = super().meta()
-        del meta["norm_output"]
+        meta = {k: v for k, v in super().meta().items() if k not in EAGLE3_ONLY}
         return {**meta, "parallel_depth": self.parallel_depth, "mask_token_id": self.mask_token_id,
                 "train_embedding": self.token_embedding is not None}
 

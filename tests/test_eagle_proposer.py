@@ -25,6 +25,13 @@ def _drafter(algo, target):
             for norm in [*d.fc_norm, d.norm]:
                 norm.weight.uniform_(0.5, 1.5, generator=g)
         return d
+    if algo == "speculators":  # the flags speculators' trainer turns on, the norms' gains away from 1
+        cfg = Eagle3Config(draft_vocab_size=96, norm_before_fc=True, norm_before_residual=True, norm_output=True)
+        d = Eagle3Drafter.build(cfg, target, samples)
+        with torch.no_grad():
+            for norm in [d.input_norm, d.layers[0].hidden_norm, d.norm]:
+                norm.weight.uniform_(0.5, 1.5, generator=g)
+        return d
     return Eagle1Drafter.build(Eagle1Config(), target, samples)
 
 
@@ -47,7 +54,7 @@ def test_registered_for_both_families():
     assert PROPOSERS.get("eagle1") is PROPOSERS.get("eagle3") is EagleProposer
 
 
-@pytest.mark.parametrize("algo", ["eagle1", "eagle3", "eagle3.1"])
+@pytest.mark.parametrize("algo", ["eagle1", "eagle3", "eagle3.1", "speculators"])
 @pytest.mark.parametrize("method", list(SHAPES))
 def test_eagle_greedy_equals_plain(tiny_llama, algo, method):
     d = _drafter(algo, tiny_llama)

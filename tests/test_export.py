@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from draftlab.cli import main as cli_main
 from draftlab.errors import DraftlabError
+from draftlab.export.eagle3_speculators import FLAGS as SPECULATORS_FLAGS
 from draftlab.export.exporter import export_checkpoint
 from draftlab.export.formats import ExportOptions
 from draftlab.export.importer import import_checkpoint
@@ -86,15 +87,17 @@ def _perturb(drafter, seed=1):
     return drafter.eval()
 
 
-def _eagle3(target, num_layers=1, aux=None, vd=64, fc_norm=False, norm_output=False):
+def _eagle3(target, num_layers=1, aux=None, vd=64, **flags):
     aux = aux or [1, target.num_layers // 2, target.num_layers - 1]
-    cfg = Eagle3Config(num_layers=num_layers, draft_vocab_size=vd, aux_layers=aux, fc_norm=fc_norm, norm_output=norm_output)
+    cfg = Eagle3Config(num_layers=num_layers, draft_vocab_size=vd, aux_layers=aux, **flags)
     return _perturb(Eagle3Drafter.build(cfg, target, _samples(target)))
 
 
-# EAGLE-3.1's flags (fc_norm, norm_output), each alone and together
+# EAGLE-3.1's flags (fc_norm, norm_output), each alone and together, and what speculators' trainer
+# turns on by default (norm_before_fc, norm_before_residual, norm_output)
 FLAGS = {"eagle3": {}, "fc_norm": {"fc_norm": True}, "norm_output": {"norm_output": True},
-         "eagle3.1": {"fc_norm": True, "norm_output": True}}
+         "eagle3.1": {"fc_norm": True, "norm_output": True},
+         "speculators-defaults": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
 
 
 def _save(drafter, target, path, metrics=None, recipe=None):
@@ -113,6 +116,11 @@ def _ttt_logits(drafter, target, ids, steps=STEPS):
     hidden = target(ids, layers=drafter.capture_layers, logits=None).hidden
     with torch.no_grad():
         return [drafter.head(h) for _, h in drafter.unroll(ids, hidden, steps)], hidden
+
+
+def _flags(on):
+    """Every speculators architecture flag, as ``on`` (a FLAGS entry) sets it."""
+    return {f: on.get(f, False) for f in SPECULATORS_FLAGS}
 
 
 def _close(ours, theirs, T):
@@ -136,8 +144,28 @@ def _speculators_model(out, target):
     return spec.Eagle3DraftModel(cfg).eval()
 
 
+def _speculators_ttt_logits(m, hidden, ids, steps=STEPS):
+    """Each TTT step's logits from speculators' own forward (its lm_head's outputs), on draftlab's
+    pairing of position t with token x_{t+1} and the aux states its config names."""
+    T = ids.shape[1]
+    theirs = []
+    hook = m.lm_head.register_forward_hook(lambda mod, args, o: theirs.append(o))
+    try:
+        with torch.no_grad():
+            m(
+                hidden_states=torch.cat([hidden[i] for i in m.config.eagle_aux_hidden_state_layer_ids], -1),
+                input_ids=shift_left(ids, 1),
+                document_ids=torch.zeros(1, T, dtype=torch.long),
+                position_ids=torch.arange(T)[None],
+                ttt_steps=steps,
+            )
+    finally:
+        hook.remove()
+    return theirs
+
+
 @pytest.mark.parametrize("case,flags", [("llama3-rope-2-layers", "eagle3"), ("qwen2-bias", "eagle3"),
-                                        *(("llama3-rope-2-layers", f) for f in ("fc_norm", "norm_output", "eagle3.1"))])
+                                        *(("llama3-rope-2-layers", f) for f in ("fc_norm", "norm_output", "eagle3.1", "speculators-defaults"))])
 def test_speculators_model_loads_export_and_matches(case, flags, rope_llama, qwen2_target, tmp_path):
     target, layers = (rope_llama, 2) if case.startswith("llama3") else (qwen2_target, 1)
     torch.manual_seed(0)
@@ -145,12 +173,12 @@ def test_speculators_model_loads_export_and_matches(case, flags, rope_llama, qwe
     out = export_checkpoint(_save(d, target, tmp_path / "ckpt"), "vllm", tmp_path / "vllm", target)
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == d.aux_layers  # same (HF hidden_states) convention
-    assert config["norm_before_residual"] is False and config["speculators_config"]["verifier"]["name_or_path"]
-    on = FLAGS[flags]
-    assert (config["fc_norm"], config["norm_output"]) == (on.get("fc_norm", False), on.get("norm_output", False))
+    assert config["speculators_config"]["verifier"]["name_or_path"]
+    assert {f: config[f] for f in SPECULATORS_FLAGS} == _flags(FLAGS[flags])  # every flag written, as trained
 
     m = _speculators_model(out, target)
-    assert (m.fc_norm is not None, m.config.norm_output) == (config["fc_norm"], config["norm_output"])
+    assert (m.input_norm is not None, m.layers[0].norm_before_residual, m.fc_norm is not None, m.config.norm_output) == (
+        config["norm_before_fc"], config["norm_before_residual"], config["fc_norm"], config["norm_output"])
     exported = load_file(out / "model.safetensors")
     model_keys = set(m.state_dict())
     # nothing exported is skipped; nothing the model has is left unset except what speculators
@@ -164,20 +192,54 @@ def test_speculators_model_loads_export_and_matches(case, flags, rope_llama, qwe
     m.load_state_dict(state, strict=True)
 
     ids = _inputs(target)
-    T = ids.shape[1]
     ours, hidden = _ttt_logits(d, target, ids)
-    theirs = []
-    hook = m.lm_head.register_forward_hook(lambda mod, args, o: theirs.append(o))
-    with torch.no_grad():
-        m(
-            hidden_states=torch.cat([hidden[i] for i in config["eagle_aux_hidden_state_layer_ids"]], -1),
-            input_ids=shift_left(ids, 1),  # draftlab pairs position t with token x_{t+1}
-            document_ids=torch.zeros(1, T, dtype=torch.long),
-            position_ids=torch.arange(T)[None],
-            ttt_steps=STEPS,
-        )
-    hook.remove()
-    _close(ours, theirs, T)
+    _close(ours, _speculators_ttt_logits(m, hidden, ids), ids.shape[1])
+
+
+def test_speculators_trained_drafter_with_its_trainer_defaults_imports_and_decodes(tiny_llama, tiny_target_dirs, tmp_path):
+    """A drafter as speculators' trainer builds it by default (its TrainConfig: norm_before_fc,
+    norm_before_residual and norm_output on), written by its own save_pretrained, imports through
+    the CLI; the imported drafter's logits are speculators' model's on the same inputs, and greedy
+    speculative decoding with it is plain greedy decoding."""
+    spec = pytest.importorskip("speculators.models.eagle3")
+    from speculators.train.config.schema import TrainConfig
+    from transformers import AutoConfig
+
+    from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
+    from draftlab.inference.eagle import EagleProposer
+    from draftlab.inference.shapes import Chain
+
+    verifier = str(tiny_target_dirs["llama"])
+    # the trainer's own defaults; explicit aux ids: its default [2, L//2, L-3] repeats 2 on a 4-layer target
+    args = TrainConfig.from_flat({"verifier_name_or_path": verifier, "target_layer_ids": [1, 2, 3]}).flatten()
+    assert {f: args[f] for f in SPECULATORS_FLAGS} == _flags(FLAGS["speculators-defaults"])
+    layer_config = AutoConfig.from_pretrained(verifier)  # the trainer's draft layers: the verifier's, num_layers deep
+    layer_config.num_hidden_layers = args["num_layers"]
+    V, vd = tiny_llama.vocab_size, 64
+    kept = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    torch.manual_seed(0)
+    m = spec.Eagle3DraftModel.from_training_args(
+        layer_config, t2d=t2d, d2t=kept - torch.arange(vd), **{**args, "draft_vocab_size": vd, "draft_attn_impl": "sdpa"})
+    with torch.no_grad():  # as if trained: the norms away from 1, so each flag changes the outputs
+        for name, p in m.named_parameters():
+            if not name.startswith(("embed_tokens.", "verifier_")):
+                p.add_(torch.randn_like(p) * 0.1)
+    m.eval().save_pretrained(str(tmp_path / "speculators"))
+
+    assert cli_main(["import", str(tmp_path / "speculators"), "--format", "speculators", "--target", tiny_llama.identity["name"],
+                     str(tmp_path / "imported")]) == 0
+    d, meta = ckpt.load_drafter(tmp_path / "imported", tiny_llama)
+    assert {f: meta["drafter"][f] for f in SPECULATORS_FLAGS} == _flags(FLAGS["speculators-defaults"])
+    ids = _inputs(tiny_llama)
+    ours, hidden = _ttt_logits(d.eval(), tiny_llama, ids)
+    _close(ours, _speculators_ttt_logits(m, hidden, ids), ids.shape[1])
+
+    prompt = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(3))
+    spec_out = SpeculativeDecoder(tiny_llama, EagleProposer(d)).generate(prompt, 40, Chain(4))
+    assert spec_out.tokens == generate_plain(tiny_llama, prompt, 40).tokens
+    assert sum(spec_out.num_drafted) > 0
 
 
 # ---------------------------------------------------------------------------- SpecForge (SGLang)
@@ -282,6 +344,7 @@ def _outputs(drafter, target, ids):
 @pytest.mark.parametrize("engine,fmt,family,flags", [
     ("vllm", "speculators", "llama", "eagle3"), ("vllm", "speculators", "qwen2", "eagle3"), ("sglang", "sglang", "llama", "eagle3"),
     ("sglang", "eagle", "llama", "eagle3"), ("vllm", "speculators", "llama", "eagle3.1"), ("sglang", "sglang", "llama", "fc_norm"),
+    ("vllm", "speculators", "llama", "speculators-defaults"),
 ])
 def test_round_trip_export_import_is_identical(engine, fmt, family, flags, tiny_llama, qwen2_target, tmp_path):
     target = tiny_llama if family == "llama" else qwen2_target
@@ -394,6 +457,9 @@ def test_export_refuses_another_target_and_cli_exits_2(tiny_llama, tiny_target_d
         ("vllm", lambda t: _perturb(Eagle1Drafter.build(Eagle1Config(), t)), "fc without bias"),
         # SpecForge feeds the next step the un-normed state whatever its norm_output says
         ("sglang", lambda t: _eagle3(t, norm_output=True), "drafter.norm_output feeds the normalised state"),
+        # SpecForge has neither of speculators' input norms
+        ("sglang", lambda t: _eagle3(t, norm_before_fc=True), "drafter.norm_before_fc normalises the concatenated aux states"),
+        ("sglang", lambda t: _eagle3(t, norm_before_residual=True), "drafter.norm_before_residual makes the normalised feature"),
     ],
 )
 def test_export_refuses_what_the_layout_cannot_hold(engine, build, match, tiny_llama, tmp_path):

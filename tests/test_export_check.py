@@ -76,6 +76,16 @@ def eagle31(tiny_llama, tmp_path_factory):
     return c, out
 
 
+@pytest.fixture(scope="module")
+def speculators_defaults(tiny_llama, tmp_path_factory):
+    """A checkpoint with the flags speculators' trainer turns on (norm_before_fc,
+    norm_before_residual, norm_output) and its untouched vLLM (speculators) export."""
+    root = tmp_path_factory.mktemp("speculators_defaults")
+    torch.manual_seed(0)
+    c = _save(_eagle3(tiny_llama, norm_before_fc=True, norm_before_residual=True, norm_output=True), tiny_llama, root / "ckpt")
+    return c, export_checkpoint(c, "vllm", root / "vllm", tiny_llama, ExportOptions(speculative_tokens=K))
+
+
 def _check(out, c, target, data, **kw):
     lines = []
     report = check_export(out, c, target, data=data, num_prompts=len(TEXTS), max_new_tokens=N_NEW, print_fn=lines.append, **kw)
@@ -94,9 +104,10 @@ def _edit_config(out, tmp_path, edit):
 
 
 # ---------------------------------------------------------------------------- speculators (vLLM)
-def test_untouched_speculators_export_drafts_what_draftlab_drafts(eagle31, tiny_llama, data):
+@pytest.mark.parametrize("export", ["eagle31", "speculators_defaults"])
+def test_untouched_speculators_export_drafts_what_draftlab_drafts(export, tiny_llama, data, request):
     pytest.importorskip("speculators.models.eagle3")
-    c, out = eagle31
+    c, out = request.getfixturevalue(export)
     report, lines = _check(out, c, tiny_llama, data)
     assert report.peer is not None and report.steps > 0
     assert report.ours.drafts == report.peer.drafts  # every chain, token by token
@@ -110,6 +121,8 @@ def test_untouched_speculators_export_drafts_what_draftlab_drafts(eagle31, tiny_
     ("max_position_embeddings", lambda c: c["transformer_layer_config"].update(max_position_embeddings=64),
      r"config field transformer_layer_config\.max_position_embeddings is 64 in the export, 512 from the checkpoint"),
     ("fc_norm", lambda c: c.pop("fc_norm"), r"config field fc_norm is \(absent\) in the export, true from the checkpoint"),
+    ("norm_before_residual", lambda c: c.update(norm_before_residual=True),
+     r"config field norm_before_residual is true in the export, false from the checkpoint"),
     ("aux layers", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 2]),
      r"config field eagle_aux_hidden_state_layer_ids\[2\] is 2 in the export, 3 "),
     ("rope_theta", lambda c: c["transformer_layer_config"].update(rope_theta=500000.0), r"rope_theta is 500000\.0 in the export"),

@@ -125,8 +125,12 @@ def test_drafters_train_on_every_family(tiny_target_dirs, family, algo):
     assert target.embed_tokens.weight.grad is None
 
 
-@pytest.mark.parametrize("family,eagle31", [("llama", False), ("qwen3", False), ("llama", True)])
-def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family, eagle31):
+EAGLE31 = dict(fc_norm=True, norm_output=True)
+SPECULATORS_DEFAULTS = dict(norm_before_fc=True, norm_before_residual=True, norm_output=True)  # its trainer's
+
+
+@pytest.mark.parametrize("family,flags", [("llama", {}), ("qwen3", {}), ("llama", EAGLE31), ("llama", SPECULATORS_DEFAULTS)])
+def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family, flags):
     """Step i of training at position t must equal what the cached inference path computes
     when it drafts i tokens after position t (teacher-forced with the true tokens). This pins
     the TTT attention pattern and the RoPE offsets (and, for EAGLE-3.1, which state a step
@@ -134,7 +138,7 @@ def test_ttt_unroll_equals_inference_drafting(tiny_target_dirs, family, eagle31)
     torch.manual_seed(0)
     target = Target.load(str(tiny_target_dirs[family]))
     samples = _samples(target, T=12)
-    cfg = Eagle3Config(num_layers=2, draft_vocab_size=64, fc_norm=eagle31, norm_output=eagle31)
+    cfg = Eagle3Config(num_layers=2, draft_vocab_size=64, **flags)
     d = Eagle3Drafter.build(cfg, target, samples).eval()
     ids = samples[0]["input_ids"][None]
     hidden = target(ids, layers=d.capture_layers, logits=None).hidden
@@ -203,6 +207,66 @@ def test_eagle31_flags_config_and_computation(tiny_llama, tmp_path):
     back, _ = ckpt.load_drafter(tmp_path / "c", tiny_llama)
     with torch.no_grad():
         torch.testing.assert_close([h for _, h in back.unroll(ids, hidden, 2)][1], steps[1])
+
+
+def test_speculators_norm_flags_config_and_computation(tiny_llama, tmp_path):
+    """norm_before_fc: one RMSNorm (``input_norm``) over the concatenated fused states before fc,
+    which replaces the measured fc input scale and excludes fc_norm; norm_before_residual: the
+    first layer's residual stream is ``hidden_norm(h)``. Both default off (so do checkpoints
+    written without them) and round-trip through a checkpoint."""
+    from draftlab import atomic
+    from draftlab import checkpoint as ckpt
+    from draftlab.errors import DraftlabError
+    from draftlab.recipe import _validate
+    from tiny import assert_one_line
+
+    assert not Eagle3Config().norm_before_fc and not Eagle3Config().norm_before_residual
+    assert Eagle3Config(norm_before_fc=True).normalize_fc_input is False  # the default gives way
+    for clash, says in ((dict(normalize_fc_input=True), "norm_before_fc and normalize_fc_input both normalise fc's input"),
+                        (dict(fc_norm=True), "fc_norm and norm_before_fc both normalise fc's input")):
+        with pytest.raises(DraftlabError) as e:  # as a recipe's drafter section reports it
+            _validate(Eagle3Config, {"norm_before_fc": True, **clash}, "drafter")
+        assert_one_line(e, f"^drafter: {says}; set one$")
+
+    torch.manual_seed(0)
+    samples = _samples(tiny_llama)
+    d = Eagle3Drafter.build(Eagle3Config(draft_vocab_size=64, **SPECULATORS_DEFAULTS), tiny_llama, samples).eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert d.fc_input_scale is None and d.fc_norm is None and "input_norm.weight" in d.export_state_dict()
+    ids = samples[0]["input_ids"][None, :10]
+    hidden = tiny_llama(ids, layers=d.capture_layers, logits=None).hidden
+    eps = d.shape.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    with torch.no_grad():
+        h = d.features(hidden)
+        fused = torch.cat([hidden[i] for i in d.aux_layers], -1)
+        torch.testing.assert_close(h, rms(fused, d.input_norm.weight) @ d.fc.weight.T, atol=1e-5, rtol=1e-5)
+        # the first layer by hand: attention reads [norm(emb); hidden_norm(h)], the residual is hidden_norm(h)
+        layer, emb = d.layers[0], d.embed(shift_left(ids, 1))
+        cos, sin = d.rotary(torch.arange(ids.shape[1])[None], h)
+        causal = lambda q, k, v: layer.self_attn.attend(q, k, v, causal=True)  # noqa: E731
+        normed = rms(h, layer.hidden_norm.weight)
+        x = torch.cat([rms(emb, layer.input_layernorm.weight), normed], -1)
+        r = normed + layer.self_attn.out(causal(*layer.self_attn.qkv(x, cos, sin)))
+        torch.testing.assert_close(layer(h, cos, sin, causal, emb=emb), r + layer.mlp(layer.post_attention_layernorm(r)),
+                                   atol=1e-5, rtol=1e-5)
+        steps = [h for _, h in d.unroll(ids, hidden, 2)]
+
+    meta = ckpt.checkpoint_meta(d, tiny_llama.identity, None, 1, None)
+    assert meta["drafter"]["norm_before_fc"] is True and meta["drafter"]["norm_before_residual"] is True
+    with atomic.directory(tmp_path / "c") as tmp:
+        ckpt.save_weights(tmp, d.state_dict(), meta)
+    back, _ = ckpt.load_drafter(tmp_path / "c", tiny_llama)
+    with torch.no_grad():
+        torch.testing.assert_close([h for _, h in back.unroll(ids, hidden, 2)][1], steps[1])
+    older = {k: v for k, v in meta["drafter"].items() if k not in ("norm_before_fc", "norm_before_residual")}
+    filled = Eagle3Drafter.check_meta(older, tiny_llama, "old")
+    assert filled["norm_before_fc"] is False and filled["norm_before_residual"] is False
 
 
 def _stack_before_output_norm(d, ids, feats):

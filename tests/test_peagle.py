@@ -227,6 +227,7 @@ def test_speculators_loads_the_export_strictly_and_matches(case, tiny_llama, tmp
     (lambda c: c.update(speculators_model_type="eagle3"), "speculators_model_type is 'eagle3', expected 'peagle'"),
     (lambda c: c.pop("mask_token_id"), "mask_token_id is missing"),
     (lambda c: c.update(norm_output=True), "norm_output = True"),
+    (lambda c: c.update(norm_before_fc=True), "norm_before_fc = true is not implemented by draftlab's P-EAGLE"),
     (lambda c: c.update(mask_token_id=10**6), "drafter.mask_token_id = 1000000 is outside 0..399"),
     (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=1), "drafter.parallel_depth = 1 is outside 2..64"),
 ])
@@ -280,6 +281,7 @@ def _recipe(tmp_path: Path, target_dir, name: str, **edits) -> Path:
 
 @pytest.mark.parametrize("section, values, says", [
     ("drafter", {"norm_output": True}, "drafter.norm_output"),
+    ("drafter", {"norm_before_residual": True}, "drafter.norm_before_residual: norm_before_residual is not implemented"),
     ("drafter", {"parallel_depth": 1}, "drafter.parallel_depth"),
     ("loss", {"cod_decay": 0}, "loss.cod_decay"),
     ("loss", {"ttt_steps": 2}, "loss.ttt_steps"),
