@@ -108,6 +108,9 @@ class Eagle3Config(BaseModel):
     draft_vocab_size: int = Field(8192, ge=0, description="0 = the full target vocabulary")
     aux_layers: list[int] | None = Field(None, description="hidden-state indices to fuse; default [2, L//2, L-3] (default_aux_layers)")
     init_lm_head_from_target: bool = Field(True, description="start lm_head from the target's rows of the draft vocab")
+    freeze_lm_head: bool = Field(
+        False, description="keep lm_head at the target's rows, untrained (speculators' default; needs init_lm_head_from_target)"
+    )
     normalize_fc_input: bool = Field(
         True,
         description="scale each fused input channel by 1/RMS measured on training data (folded into fc.weight on export); "
@@ -125,6 +128,12 @@ class Eagle3Config(BaseModel):
         False, description="the first layer's residual stream is the normalised fused feature, hidden_norm(h), not h "
         "(speculators' norm_before_residual, on by default in its trainer)",
     )
+
+    @model_validator(mode="after")
+    def _frozen_head_from_target(self):
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise PydanticCustomError("freeze_lm_head", "freeze_lm_head keeps the target's lm_head rows: it needs init_lm_head_from_target")
+        return self
 
     @model_validator(mode="after")
     def _one_input_normalisation(self):
@@ -233,6 +242,7 @@ class Eagle3Drafter(EagleBase):
             with torch.no_grad():
                 self.lm_head.weight.copy_(target.lm_head.weight[self.t2d.to(target.device)].float())
                 self.norm.weight.copy_(target.final_norm.weight.float())
+        self.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)  # the optimizer takes what requires grad
 
     def meta(self) -> dict:
         return {

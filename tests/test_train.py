@@ -80,6 +80,7 @@ def test_every_shipped_recipe_validates():
         ({"eval": {"batch_sizes": [4, 4]}}, "eval.batch_sizes"),
         ({"eval": {"baseline": False, "batch_sizes": [1, 4]}}, "eval.batch_sizes"),
         ({"eval": {"adaptive": True}}, "eval.adaptive"),
+        ({"drafter": {"freeze_lm_head": True, "init_lm_head_from_target": False}}, "drafter: freeze_lm_head"),
     ],
 )
 def test_bad_recipe_is_one_line_error(tmp_path, tiny_target_dirs, chat_file, mutate, message):
@@ -106,6 +107,20 @@ def test_dotted_overrides(tmp_path, tiny_target_dirs, chat_file):
     path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file)
     r = load_recipe(path, ["train.max_steps=20", "output_dir=runs/x", "drafter.aux_layers=[1,2,3]"])
     assert r.train.max_steps == 20 and r.output_dir == "runs/x" and r.drafter["aux_layers"] == [1, 2, 3]
+
+
+def test_frozen_lm_head_stays_the_targets_rows(tmp_path, tiny_target_dirs, chat_file):
+    """drafter.freeze_lm_head: the trained drafter's lm_head is still the target's draft-vocab rows,
+    and everything else trained."""
+    from draftlab.models.target import Target
+
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, drafter={"freeze_lm_head": True})
+    res = run_train([path, "train.max_steps=3"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    w = load_file(str(tmp_path / "run" / "checkpoints" / "step-0000003" / "model.safetensors"))
+    target = Target.load(str(tiny_target_dirs["llama"]))
+    assert torch.equal(w["lm_head.weight"], target.lm_head.weight[w["t2d"]].float())
+    assert not torch.equal(w["norm.weight"], target.final_norm.weight.float())  # the rest trained
 
 
 # ---------------------------------------------------------------- resume after SIGKILL
