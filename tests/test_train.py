@@ -123,6 +123,21 @@ def test_frozen_lm_head_stays_the_targets_rows(tmp_path, tiny_target_dirs, chat_
     assert not torch.equal(w["norm.weight"], target.final_norm.weight.float())  # the rest trained
 
 
+def test_gpu_recipe_runs_on_cpu_with_small_overrides(tmp_path, tiny_target_dirs, chat_file):
+    """recipes/smollm2-135m-eagle3-gpu.yaml end to end on the CPU, shrunk by overrides only:
+    regeneration, 3 TTT steps, and its k=3 report with greedy output equal to plain decoding."""
+    out = tmp_path / "run"
+    res = run_train([REPO / "recipes" / "smollm2-135m-eagle3-gpu.yaml", f"output_dir={out}",
+                     f"target.model={tiny_target_dirs['llama']}", f"data.source={chat_file}", "data.num_conversations=12",
+                     "data.heldout=2", "data.max_length=96", "data.regenerate_max_new_tokens=8", "data.regenerate_batch_size=4",
+                     "drafter.draft_vocab_size=64", "train.batch_tokens=384", "train.epochs=1", "train.warmup_steps=1",
+                     "eval.num_prompts=2", "eval.max_new_tokens=8"], timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "regenerated.jsonl").is_file()
+    report = json.loads((out / "eval" / "latest.json").read_text())
+    assert report["k"] == 3 and report["greedy_match"] == "2/2" and len(report["alpha"]) == 3
+
+
 # ---------------------------------------------------------------- resume after SIGKILL
 @pytest.mark.parametrize("algorithm,grad_accum", [("eagle1", 1), ("eagle3", 1), ("eagle3", 2)])
 def test_killed_run_resumes_to_identical_weights(tmp_path, tiny_target_dirs, chat_file, algorithm, grad_accum):
