@@ -135,13 +135,17 @@ def evaluate(
         base = done[i % 2] if baseline else None
         for group in (total, by_cat.setdefault(p.category, _Totals())):
             group.add(spec, base, compare)
+        stats = spec.stats()
         per_prompt.append(
             {
                 "id": p.id,
                 "category": p.category,
                 "prompt_tokens": len(p.prompt_ids),
                 "new_tokens": len(spec.tokens),
-                "tau": spec.stats().tau,
+                "tau": stats.tau,
+                # the counts a paired comparison pools per prompt (α_j = Σ reached_j / Σ reached_{j-1})
+                "num_steps": stats.num_steps,
+                "reached": list(stats.reached),
                 "tokens_per_s": spec.tokens_per_s,
                 "baseline_tokens_per_s": base.tokens_per_s if base else None,
                 "matched": (spec.tokens == base.tokens) if compare else None,

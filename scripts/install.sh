@@ -16,5 +16,5 @@ if [ "${1:-}" = "test" ]; then
   # older transformers/datasets and pulls torchvision (which breaks beside this torch build);
   # the modules the tests use need only the few packages on the second line.
   .venv/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 eagle-llm==1.2.1 medusa-llm==0.1
-  .venv/bin/pip install -q -c scripts/constraints.txt loguru pydantic-settings openai aiohttp
+  .venv/bin/pip install -q -c scripts/constraints.txt loguru pydantic-settings openai aiohttp httpx
 fi

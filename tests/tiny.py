@@ -102,6 +102,28 @@ def write_chat(path: Path, conversations: int, assistant_words: int = 16, turns:
     return path
 
 
+def tiny_eagle3_recipe(root: Path, conversations: int = 10, eval_section: dict | None = None) -> Path:
+    """A one-epoch EAGLE-3 recipe for an 8-layer tiny Llama (three distinct auxiliary layers, as
+    SpecForge's fc needs) on ``conversations`` random chats (the first 10 trained), under ``root``."""
+    import yaml
+
+    target = make_tiny_target_dir(root / "target", "llama", layers=8)
+    data = write_chat(root / "chat.jsonl", conversations, assistant_words=12)
+    recipe = {
+        "algorithm": "eagle3", "output_dir": str(root / "run"), "seed": 0,
+        "target": {"model": str(target)},
+        "data": {"source": str(data), "num_conversations": 10, "max_length": 64, "heldout": 2},
+        "drafter": {"num_layers": 1, "draft_vocab_size": 128},
+        "loss": {"ttt_steps": 1},
+        "capture": {"mode": "memory"},
+        "train": {"lr": 1e-3, "warmup_steps": 1, "epochs": 1, "batch_tokens": 256, "checkpoint_every": 100},
+        "eval": eval_section or {"enabled": False},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
 def random_samples(target, n: int = 4, T: int = 24, seed: int = 0) -> list[dict]:
     """``n`` training samples of ``T`` random tokens, every position counted."""
     g = torch.Generator().manual_seed(seed)
