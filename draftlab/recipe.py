@@ -76,7 +76,8 @@ class TrainSpec(Strict):
         "The target (capture) runs in target.dtype whatever this says",
     )
     time_limit_minutes: float | None = Field(
-        None, gt=0, description="stop (with a checkpoint) once training has run this long; resume continues"
+        None, gt=0, description="stop (with a checkpoint) once this launch has trained this long; a relaunch resumes "
+        "and trains as long again"
     )
     skip_nonfinite: int = Field(
         0, ge=0, description="optimizer steps with a non-finite loss or gradient norm to skip (logged) before the run "

@@ -185,6 +185,18 @@ def test_time_limit_stops_with_a_checkpoint_and_a_relaunch_completes(tmp_path, t
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-0000001", "step-0000002"]
 
 
+def test_time_limit_is_per_launch(tmp_path, tiny_target_dirs, chat_file):
+    """A relaunch after a stop trains for the limit again: time trained by earlier launches (here
+    written as an hour into the checkpoint) does not stop it after one step."""
+    path = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"max_steps": 3})
+    res = run_train([path, "train.max_steps=3", "train.time_limit_minutes=1e-6"])
+    assert "stopped at step 1/3" in res.stdout, res.stdout[-2000:]
+    state = tmp_path / "run" / "checkpoints" / "step-0000001" / "trainer" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "elapsed_s": 3600.0}))
+    res = run_train([path, "train.time_limit_minutes=30"])
+    assert res.returncode == 0 and "training complete: step 3/3" in res.stdout, res.stdout[-2000:]
+
+
 # ---------------------------------------------------------------- DDP, two gloo processes
 @pytest.mark.distributed
 def test_ddp_two_processes_keep_weights_in_sync(tmp_path, tiny_target_dirs, chat_file):

@@ -89,7 +89,7 @@ def _train(path, recipe, accelerator, algo, drafter_cfg, loss_cfg) -> dict:
     main = accelerator.is_main_process
     seed_everything(recipe.seed)
     device = str(accelerator.device) if recipe.target.device == "auto" else recipe.target.device
-    if device == "cpu":
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # a user's choice, which torch read at start, stands
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
     if main:
         print(f"draftlab: {recipe.algorithm} run in {recipe.output_dir} on {accelerator.num_processes} process(es), device {device}", flush=True)

@@ -274,8 +274,8 @@ class Trainer:
                   f"{ckpt.step_dir(self.run_dir, self.step)} written; relaunch the same command to resume (exit status "
                   f"{EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         elif main and out_of_time:
-            print(f"stopped at step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min (train.time_limit_minutes); "
-                  "relaunch the same command to continue", flush=True)
+            print(f"stopped at step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min (train.time_limit_minutes "
+                  "of this launch); relaunch the same command to continue", flush=True)
         elif main:
             print(f"training complete: step {self.step}/{self.total_steps} after {self.elapsed / 60:.1f} min", flush=True)
         return last_metrics
@@ -288,6 +288,7 @@ class Trainer:
         stream = self.micro_batches(self.step)
         last_metrics: dict = {}
         started = time.perf_counter() - self.elapsed
+        launch_start = self.elapsed  # the limit is per launch: a relaunch after a stop trains as long again
         out_of_time = False
         while self.step < self.total_steps and not out_of_time:
             t0 = time.perf_counter()
@@ -358,7 +359,8 @@ class Trainer:
                     self.preempted_by = self.preemption.signal
                 break
             # out of time on the last step is no stop: the run is complete
-            out_of_time = self.step < self.total_steps and bool(t.time_limit_minutes) and self.elapsed >= t.time_limit_minutes * 60
+            out_of_time = (self.step < self.total_steps and bool(t.time_limit_minutes)
+                           and self.elapsed - launch_start >= t.time_limit_minutes * 60)
             if self.step % t.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
                 self.checkpoint_and_eval(last_metrics, logger)
         return last_metrics, out_of_time
