@@ -140,19 +140,33 @@ def write_json(path: Path, obj) -> None:
 
 
 # ------------------------------------------------------------------------------ draftlab
-def train_draftlab(ctx: Context, out: Path) -> dict:
-    """The recipe as shipped, through the CLI a user runs (resumes by itself when relaunched)."""
+def train_draftlab(recipe_path: str, overrides: list[str], out: Path) -> dict:
+    """A draftlab recipe (as shipped, or with ``overrides``) through the CLI a user runs, which
+    resumes by itself when relaunched; its last checkpoint is the one judged, as for the peers."""
     run = out / "run"
-    cmd = [sys.executable, "-m", "draftlab.cli", "train", ctx.recipe_path, f"output_dir={run}", *ctx.overrides]
+    cmd = [sys.executable, "-m", "draftlab.cli", "train", recipe_path, f"output_dir={run}", *overrides]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=REPO)
+    while not _launch(cmd):  # a launch stopped by train.time_limit_minutes: relaunch it, as a user would
+        pass
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "acc" in r]
     last = steps[-10:]
-    acc = [sum(r["acc"][j] for r in last) / len(last) for j in range(len(last[0]["acc"]))] if last else []
-    return {"checkpoint": str(run / "checkpoints" / "best"), "wall_s": time.perf_counter() - t0,
-            "train_metric": f"top-1 agreement (TTT step 0, last 10 steps) {acc[0]:.3f}" if acc else "-",
+    acc = sum(r["acc"][0] for r in last) / len(last) if last else None
+    return {"checkpoint": str(sorted((run / "checkpoints").glob("step-*"))[-1]), "wall_s": time.perf_counter() - t0,
+            "train_metric": f"top-1 agreement (TTT step 0, last {len(last)} steps) {acc:.3f}" if last else "-",
             "steps": steps[-1].get("step") if steps else None}
+
+
+def _launch(cmd: list[str]) -> bool:
+    """Run ``draftlab train``, its output passed through; whether it reported its run complete."""
+    complete = False
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            sys.stdout.write(line)
+            complete = complete or line.startswith("training complete")
+    if p.returncode != 0:
+        raise DraftlabError(f"draftlab train exited {p.returncode} (its error above); rerun to resume it")
+    return complete
 
 
 # ------------------------------------------------------------------------------ speculators
@@ -342,11 +356,14 @@ def import_arm(ctx: Context, system: str, trained: dict, out: Path) -> str:
     return str(dest)
 
 
-def eval_arm(ctx: Context, checkpoint: str, out: Path, args) -> dict:
+def eval_arm(recipe_path: str, target: str, checkpoint: str, out: Path, args) -> dict:
+    """``draftlab eval`` of ``checkpoint`` on the recipe's held-out ShareGPT prompts at chain
+    ``args.k`` (plain decoding beside it), once: the report is kept in ``out``."""
     report = out / f"eval-k{args.k}-n{args.num_prompts}.json"
     if not report.is_file():
         cmd = [sys.executable, "-m", "draftlab.cli", "eval", "--drafter", checkpoint, "--data", "sharegpt-heldout",
-               "--recipe", ctx.recipe_path, "--target", ctx.recipe.target.model, "--method", "chain", "--k", str(args.k), "--num-prompts", str(args.num_prompts),
+               "--recipe", recipe_path, "--target", target, "--method", "chain",
+               "--k", str(args.k), "--num-prompts", str(args.num_prompts),
                "--max-new-tokens", str(args.max_new_tokens), "--report", str(report)]
         subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads(report.read_text())
@@ -400,14 +417,14 @@ def _sd(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------------------ table
-def table(stats: dict, trained: dict, k: int) -> str:
-    head = ["trainer", *[f"α{j}" for j in range(1, k + 1)], "τ", f"τ − draftlab's (paired)", "greedy match",
+def table(stats: dict, trained: dict, k: int, base: str = "draftlab") -> str:
+    head = ["arm", *[f"α{j}" for j in range(1, k + 1)], "τ", f"τ − {base}'s (paired)", "greedy match",
             "its own training metric", "training wall"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, st in stats.items():
         cells = [s] + [f"{st['alpha'][j]:.3f} ± {st['se'][j]:.3f}" for j in range(k)]
         cells.append(f"{st['tau']:.3f} ± {st['se'][k]:.3f}")
-        cells.append("–" if s == "draftlab" else f"{st['diff'][k]:+.3f} ± {st['diff_se'][k]:.3f} ({st['better']} better, {st['worse']} worse)")
+        cells.append("–" if s == base else f"{st['diff'][k]:+.3f} ± {st['diff_se'][k]:.3f} ({st['better']} better, {st['worse']} worse)")
         cells.append(f"{st['matched']}/{st['prompts']}")
         cells.append(trained[s]["train_metric"])
         cells.append(f"{trained[s]['wall_s'] / 60:.1f} min")
@@ -470,7 +487,7 @@ def run(argv, args) -> int:
     for s in args.systems:
         arm = out / s
         if s == "draftlab":
-            trained[s] = stage(arm, "trained", lambda: train_draftlab(ctx, arm))
+            trained[s] = stage(arm, "trained", lambda: train_draftlab(ctx.recipe_path, ctx.overrides, arm))
         else:
             if cap is None and not (arm / "trained.json").is_file():
                 cap = stage_capture(ctx)
@@ -480,7 +497,7 @@ def run(argv, args) -> int:
     if args.stage == "train":
         return 0
     for s in args.systems:
-        reports[s] = eval_arm(ctx, import_arm(ctx, s, trained[s], out / s), out / s, args)
+        reports[s] = eval_arm(ctx.recipe_path, ctx.recipe.target.model, import_arm(ctx, s, trained[s], out / s), out / s, args)
     stats = bootstrap(reports, args.k)
     text = table(stats, trained, args.k)
     print(text)

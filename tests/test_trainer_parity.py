@@ -34,7 +34,7 @@ def test_peer_trained_checkpoint_imports_and_decodes_greedy_equal(setup, system)
     meta = json.loads((out / "imported" / "draftlab.json").read_text())
     assert meta["imported_from"]["format"] == parity.IMPORT_FORMAT[system]
     args = parity.parse_args(["--num-prompts", "2", "--k", "3", "--max-new-tokens", "8"])
-    report = parity.eval_arm(ctx, ckpt, out, args)
+    report = parity.eval_arm(str(recipe), ctx.recipe.target.model, ckpt, out, args)
     assert [p["matched"] for p in report["prompts"]] == [True, True]  # lossless: greedy equals plain
     assert all(p["num_steps"] >= 1 and len(p["reached"]) == 3 for p in report["prompts"])
 
