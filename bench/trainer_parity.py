@@ -10,8 +10,9 @@ the recipe's draft vocabulary: one t2d/d2t for all) on the recipe's training con
 tokenised once by draftlab's data stage (same tokens, same loss masks), for the recipe's epochs:
 the same training tokens. Each trainer otherwise runs with its own defaults:
 
-* ``draftlab``: the recipe as shipped, ``draftlab train RECIPE`` (its own memory-mode capture,
-  its after-checkpoint reports at chain k=1 included in its wall time).
+* ``draftlab``: the recipe as shipped, ``draftlab train RECIPE`` (its own memory-mode capture;
+  relaunched after a ``train.time_limit_minutes`` stop, as a user would; its training wall time is
+  the trainer's own clock, after-checkpoint reports excluded).
 * ``speculators`` (0.9.0): its ``Trainer`` with its ``TrainConfig`` defaults for eagle3 (Muon +
   AdamW at 1e-3, linear schedule with 1 % warm-up, clip 1.0, 3 TTT steps of equal weight with
   teacher-forced inputs, KL to the verifier over the draft vocabulary, lm_head copied from the
@@ -145,14 +146,14 @@ def train_draftlab(recipe_path: str, overrides: list[str], out: Path) -> dict:
     resumes by itself when relaunched; its last checkpoint is the one judged, as for the peers."""
     run = out / "run"
     cmd = [sys.executable, "-m", "draftlab.cli", "train", recipe_path, f"output_dir={run}", *overrides]
-    t0 = time.perf_counter()
     while not _launch(cmd):  # a launch stopped by train.time_limit_minutes: relaunch it, as a user would
         pass
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "acc" in r]
     last = steps[-10:]
     acc = sum(r["acc"][0] for r in last) / len(last) if last else None
-    return {"checkpoint": str(sorted((run / "checkpoints").glob("step-*"))[-1]), "wall_s": time.perf_counter() - t0,
+    # its own clock (capture included, after-checkpoint reports and relaunches excluded)
+    return {"checkpoint": str(sorted((run / "checkpoints").glob("step-*"))[-1]), "wall_s": last[-1]["elapsed_s"] if last else None,
             "train_metric": f"top-1 agreement (TTT step 0, last {len(last)} steps) {acc:.3f}" if last else "-",
             "steps": steps[-1].get("step") if steps else None}
 
@@ -411,7 +412,14 @@ def bootstrap(reports: dict[str, dict], k: int, base: str = "draftlab", seed: in
     return out
 
 
+def _pm(x: float, se: float) -> str:
+    return "–" if math.isnan(x) else f"{x:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
+
+
 def _sd(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]  # an α_j with no step reaching j-1 in a resample
+    if len(xs) < 2:
+        return float("nan")
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1))
 
@@ -422,12 +430,12 @@ def table(stats: dict, trained: dict, k: int, base: str = "draftlab") -> str:
             "its own training metric", "training wall"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, st in stats.items():
-        cells = [s] + [f"{st['alpha'][j]:.3f} ± {st['se'][j]:.3f}" for j in range(k)]
+        cells = [s] + [_pm(st["alpha"][j], st["se"][j]) for j in range(k)]
         cells.append(f"{st['tau']:.3f} ± {st['se'][k]:.3f}")
         cells.append("–" if s == base else f"{st['diff'][k]:+.3f} ± {st['diff_se'][k]:.3f} ({st['better']} better, {st['worse']} worse)")
         cells.append(f"{st['matched']}/{st['prompts']}")
         cells.append(trained[s]["train_metric"])
-        cells.append(f"{trained[s]['wall_s'] / 60:.1f} min")
+        cells.append(f"{trained[s]['wall_s'] / 60:.1f} min" if trained[s].get("wall_s") else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -118,3 +118,15 @@ def test_out_dir_of_another_recipe_is_one_line(setup, tmp_path, capsys):
     assert parity.main(["--out", str(out), "--recipe", str(recipe), "--stage", "train", "--systems", "draftlab"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the target's loading bar
     assert err.startswith(f"bench.trainer_parity: error: --out {out}: made for another") and "target" in err
+
+
+def test_ablations_bad_input_is_one_line(tmp_path, capsys):
+    from bench import ablations
+
+    assert ablations.main(["--capture", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench.ablations: error: --capture") and "\n" not in err
+    with pytest.raises(SystemExit):
+        ablations.parse_args(["--capture", str(tmp_path), "--arms", "recipe,nope"])
+    assert "unknown ['nope']" in capsys.readouterr().err
+    assert ablations.parse_args(["--capture", str(tmp_path), "--arms", "ttt3"]).arms == ["recipe", "ttt3"]
