@@ -191,8 +191,9 @@ def test_merged_target_equals_peft_merge_and_adapted_forward(tiny_llama, tiny_ta
     assert all(torch.equal(v, merged.model.state_dict()[k]) for k, v in peft_merged.state_dict().items())
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     # = base + LoRA unmerged (peft's layers, the drafter's view): (W + BA)x vs Wx + B(Ax), rounding apart
+    # (fp32 sums in another order: 1.4e-5 was seen once in a full suite run, on 2 of 8000 logits)
     for other in (unmerged, adapted):
-        torch.testing.assert_close(ours, other, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, other, rtol=1e-5, atol=5e-5)
     assert (ours - before).abs().max() > 1e-2
     assert torch.equal(t(ids).logits, before)  # the original is untouched
     assert merged.identity["num_hidden_layers"] == t.num_layers and "medusa2" in merged.identity["name"]
