@@ -123,6 +123,7 @@ def test_frozen_lm_head_stays_the_targets_rows(tmp_path, tiny_target_dirs, chat_
     assert not torch.equal(w["norm.weight"], target.final_norm.weight.float())  # the rest trained
 
 
+@pytest.mark.slow  # ~1 min: regeneration, training and a k=3 report
 def test_gpu_recipe_runs_on_cpu_with_small_overrides(tmp_path, tiny_target_dirs, chat_file):
     """recipes/smollm2-135m-eagle3-gpu.yaml end to end on the CPU, shrunk by overrides only:
     regeneration, 3 TTT steps, and its k=3 report with greedy output equal to plain decoding."""
