@@ -498,7 +498,7 @@ def run(argv, args) -> int:
             trained[s] = stage(arm, "trained", lambda: train_draftlab(ctx.recipe_path, ctx.overrides, arm))
         else:
             if cap is None and not (arm / "trained.json").is_file():
-                cap = stage_capture(ctx)
+                cap = ctx.capture()
             fn = train_speculators if s == "speculators" else train_specforge
             trained[s] = stage(arm, "trained", lambda: fn(ctx, arm, cap))
         print(f"{s}: trained, {trained[s]['train_metric']}, {trained[s]['wall_s'] / 60:.1f} min", flush=True)
@@ -533,10 +533,6 @@ def check_out_dir(ctx: Context) -> None:
         return
     ctx.out.mkdir(parents=True, exist_ok=True)
     write_json(path, setup)
-
-
-def stage_capture(ctx: Context) -> dict:
-    return ctx.capture()
 
 
 def main(argv=None) -> int:
