@@ -145,7 +145,9 @@ class Recipe(Strict):
         from draftlab.models.drafter import DRAFTERS
 
         algo = DRAFTERS.get(self.algorithm, "algorithm")
-        return algo, _validate(algo.Config, self.drafter, "drafter"), _validate(algo.Loss, self.loss, "loss")
+        cfg, loss = _validate(algo.Config, self.drafter, "drafter"), _validate(algo.Loss, self.loss, "loss")
+        algo.check_configs(cfg, loss)  # what the two sections ask of each other
+        return algo, cfg, loss
 
     def fingerprint(self) -> str:
         """Hash of what determines the training trajectory (resume refuses a different one).

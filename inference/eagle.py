@@ -101,7 +101,7 @@ class EagleProposer(Proposer, DraftsOnDevice):
             out.append(tok)
             if j + 1 < k:
                 pos = torch.full((1, 1), self.pos + j, device=tok.device)
-                h, lg = self.drafter.draft_step(tok.view(1, 1), h, pos, self.cache)
+                h, lg = self.drafter.draft_step(tok.view(1, 1), h, pos, self.cache, depth=j + 1)
                 logits = lg[0, -1]
         self.cache.crop(committed)
         tokens = torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=logits.device)
@@ -128,7 +128,7 @@ class EagleProposer(Proposer, DraftsOnDevice):
             slot[i] = base + r
         toks = self.drafter.to_target_ids(torch.tensor([[tok[i] for i in frontier]], device=dev))
         pos = torch.full((1, n), self.pos + depth - 1, device=dev)
-        h, logits = self.drafter.draft_step(toks, feats, pos, self.cache, mask)
+        h, logits = self.drafter.draft_step(toks, feats, pos, self.cache, mask, depth=depth)
         return h, logits[0].float().log_softmax(-1)
 
     @torch.no_grad()
@@ -342,7 +342,7 @@ class EagleChains(RowProposers):
             if j + 1 < k:
                 pos = torch.tensor(self.pos, device=dev)[:, None] + j
                 mask = torch.cat([self.valid, torch.ones(n, j + 1, dtype=torch.bool, device=dev)], 1)[:, None]
-                h, lg = d.draft_step(tok[:, None], h, pos, self.cache, mask)
+                h, lg = d.draft_step(tok[:, None], h, pos, self.cache, mask, depth=j + 1)
                 logits = lg[:, -1]
         self.cache.crop(committed)
         tokens = torch.stack(drafts, 1)  # [n, k]
@@ -380,12 +380,13 @@ class EagleOnDevice(DeviceDrafter):
         self.last_h = torch.zeros(rows, 1, d.shape.hidden_size, dtype=p.dtype, device=p.device)
         self.last_logits = d.head(self.last_h[:, 0])  # [rows, V_draft]: what each row's next draft follows
 
-    def _forward(self, rows: slice, tokens, feats, lengths) -> torch.Tensor:
-        """The drafter over ``tokens`` [b, T] of cache rows ``rows``, written at ``lengths`` [b, 1]."""
+    def _forward(self, rows: slice, tokens, feats, lengths, depth: int = 0) -> torch.Tensor:
+        """The drafter over ``tokens`` [b, T] of cache rows ``rows``, written at ``lengths`` [b, 1],
+        ``depth`` drafts deep (``EagleBase.stack``)."""
         S = self.k.shape[3]
-        return self._step(rows, tokens, feats, RaggedKVCache.layout(lengths, tokens.shape[1], None, None, S, [(0, tokens.shape[0], S)]))
+        return self._step(rows, tokens, feats, RaggedKVCache.layout(lengths, tokens.shape[1], None, None, S, [(0, tokens.shape[0], S)]), depth)
 
-    def _step(self, rows: slice, tokens, feats, step: CacheStep) -> torch.Tensor:
+    def _step(self, rows: slice, tokens, feats, step: CacheStep, depth: int = 0) -> torch.Tensor:
         """The drafter over ``tokens`` [b, T] of cache rows ``rows`` with the layout ``step``."""
         cache = RaggedKVCache(self.k[:, rows], self.v[:, rows], [], static=True)
 
@@ -397,7 +398,7 @@ class EagleOnDevice(DeviceDrafter):
             return attend
 
         d = self.drafter
-        return d.stack(d.embed(tokens), feats, step.positions, attend_for_layer)
+        return d.stack(d.embed(tokens), feats, step.positions, attend_for_layer, depth)
 
     @torch.no_grad()
     def start(self, row, prompt_ids, hidden, next_token) -> None:
@@ -416,7 +417,7 @@ class EagleOnDevice(DeviceDrafter):
             tok = d.to_target_ids(logits.max(-1).indices)
             out.append(tok)
             if j + 1 < k:
-                h = self._forward(rows, tok[:, None], h, self.lengths[rows] + j)
+                h = self._forward(rows, tok[:, None], h, self.lengths[rows] + j, depth=j + 1)
                 logits = d.head(h[:, -1])
         return torch.stack(out, 1)
 
@@ -438,7 +439,7 @@ class EagleOnDevice(DeviceDrafter):
             slots = committed + (depth - 1) * K + torch.arange(K, device=dev)  # [b, K]
             seen = seen | (span == slots[..., None])
             step = CacheStep(committed + depth - 1 + 0 * slots, (span < committed[..., None]) | seen, slots, [(0, b, S)])
-            state["h"], state["seen"] = self._step(rows, d.to_target_ids(tok), feats, step), seen
+            state["h"], state["seen"] = self._step(rows, d.to_target_ids(tok), feats, step, depth), seen
             return d.head(state["h"]).float().log_softmax(-1)
 
         tokens, parents = grow_dynamic_tree(self.last_logits[rows].float().log_softmax(-1), shape, expand)

@@ -439,6 +439,12 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def check_configs(cls, cfg: BaseModel, loss_cfg: BaseModel) -> None:
+        """Refuse (a one-line DraftlabError naming the fields) a validated ``Config`` and ``Loss``
+        that are each valid but not together (a loss that never trains part of the drafter).
+        The recipe calls it when it is read. Default: any pair."""
+
+    @classmethod
     def trained_depth(cls, loss: dict) -> int | None:
         """How many chained draft positions this family's objective trains, given the ``loss``
         section of the recipe a checkpoint was trained with (a dict, possibly empty); None: every

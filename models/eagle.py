@@ -61,7 +61,11 @@ class EagleBase(Drafter):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._embed(ids)
 
-    def stack(self, emb, h, positions, attend_for_layer):
+    def stack(self, emb, h, positions, attend_for_layer, depth: int = 0):
+        """The layers over (embedding, feature) inputs. ``depth``: how many drafted tokens precede
+        the inputs on their path (0: committed tokens, read with the target's features; d: the
+        inputs after d drafts, the d-th training-time-test step), for a drafter whose weights
+        depend on the draft step; the one stack here runs at every depth."""
         cos, sin = self.rotary(positions, h)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attend_for_layer(i, layer.self_attn), emb=emb)
@@ -71,9 +75,10 @@ class EagleBase(Drafter):
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(len(self.layers))
 
-    def draft_step(self, tokens, feats, positions, cache: DraftKVCache, mask=None, logits: bool = True):
+    def draft_step(self, tokens, feats, positions, cache: DraftKVCache, mask=None, logits: bool = True, depth: int = 0):
         """Run new positions through the drafter, appending their K/V to ``cache``.
         mask: bool [B, n, cache.length + n] (tree drafting); default causal over cache + new.
+        depth: the draft depth of the inputs (:meth:`stack`).
         Returns (output features [B, n, H], logits over the draft vocab [B, n, V_draft], or None
         with ``logits=False``: a caller that reads one position's applies :meth:`head` to it; over
         a catch-up of n tokens the head costs about what the layer does)."""
@@ -88,7 +93,7 @@ class EagleBase(Drafter):
 
             return attend
 
-        h = self.stack(self.embed(tokens), feats, positions, attend_for_layer)
+        h = self.stack(self.embed(tokens), feats, positions, attend_for_layer, depth)
         return h, self.head(h) if logits else None
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -300,10 +305,10 @@ class Eagle3Drafter(EagleBase):
             x = x * self.fc_input_scale
         return self.fc(x)
 
-    def stack(self, emb, h, positions, attend_for_layer):
+    def stack(self, emb, h, positions, attend_for_layer, depth: int = 0):
         """The layers' output; with ``norm_output`` already through ``norm``, so the next draft
         step (and the next TTT step) reads the normalised state, as EAGLE-3.1 serves it."""
-        h = super().stack(emb, h, positions, attend_for_layer)
+        h = super().stack(emb, h, positions, attend_for_layer, depth)
         return self.norm(h) if self.norm_output else h
 
     def head(self, h):
@@ -346,7 +351,7 @@ class Eagle3Drafter(EagleBase):
         tokens = shift_left(ids, 1)  # x_{t+1}
         for i in range(steps):
             feats = h.detach() if (detach and i > 0) else h
-            h = self.stack(self.embed(tokens), feats, positions + i, attend_for_layer)
+            h = self.stack(self.embed(tokens), feats, positions + i, attend_for_layer, depth=i)
             yield i, h
             tokens = shift_left(tokens, 1)
 
@@ -451,9 +456,9 @@ class Eagle1Drafter(EagleBase):
     def features(self, hidden):
         return hidden[self.num_target_layers]
 
-    def stack(self, emb, h, positions, attend_for_layer):
+    def stack(self, emb, h, positions, attend_for_layer, depth: int = 0):
         # EAGLE-1 fuses before the layer stack: fc([embedding; feature]).
-        return super().stack(None, self.fc(torch.cat([emb, h], dim=-1)), positions, attend_for_layer)
+        return super().stack(None, self.fc(torch.cat([emb, h], dim=-1)), positions, attend_for_layer, depth)
 
     def head(self, h):
         return self._target_lm_head(h)

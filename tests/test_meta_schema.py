@@ -42,6 +42,7 @@ CONFIGS = {
     "diffusion": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False),
     "dspark": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False, markov_rank=8),
     "peagle": dict(num_layers=1, parallel_depth=3, draft_vocab_size=64, normalize_fc_input=False, fc_norm=True),
+    "prism": dict(num_modules=2, step_map=[1, 0], module="eagle3", draft_vocab_size=64, normalize_fc_input=False, norm_output=True),
     "mtp": dict(num_layers=1, draft_vocab_size=64),
     "hydra": dict(num_heads=2, num_layers=2, draft_vocab_size=64),
 }
