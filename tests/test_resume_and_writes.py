@@ -230,7 +230,8 @@ def test_training_into_a_directory_without_write_permission(tmp_path, tiny_targe
     assert list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("file", ["rng-rank0.json", "optimizer.pt", "state.json"])
+# the last file written, so every other one is already staged; the rest with -m slow
+@pytest.mark.parametrize("file", [pytest.param("rng-rank0.json", marks=pytest.mark.slow), pytest.param("optimizer.pt", marks=pytest.mark.slow), "state.json"])
 def test_a_full_disk_during_a_checkpoint_leaves_no_half_checkpoint(file, tmp_path, tiny_target_dirs, chat_file, capsys,  # noqa: F811
                                                                    monkeypatch):
     """The step-4 checkpoint fails on a full disk: step 2 stays whole, nothing of step 4 is left."""
