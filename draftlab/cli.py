@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "export": ("draftlab.export.cli", "export a checkpoint for vLLM, SGLang or HF"),
     "import": ("draftlab.export.importer", "import a public drafter in any registered format"),
     "check": ("draftlab.export.check", "check an export against its checkpoint: config, tensors, the peer's drafts"),
+    "rollouts": ("draftlab.cli_rollouts", "speculation on RL rollouts: make a drifting policy sequence, run the workload"),
 }
 
 

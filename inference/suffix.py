@@ -85,6 +85,24 @@ class SuffixTrie:
             live = grown[: self.depth - 1]
         return live
 
+    def remove(self, tokens) -> None:
+        """Forget a whole stream inserted before (``insert([], tokens)``, in one call or several):
+        every n-gram it counted loses that count, and n-grams no stream holds any more go, so a
+        corpus can slide over a window of streams. An n-gram pruning already dropped stays
+        dropped."""
+        tokens = list(tokens)
+        for start in range(len(tokens)):
+            node = self.root
+            for tok in tokens[start : start + self.depth]:
+                child = node.kids.get(tok)
+                if child is None:
+                    break
+                child.count -= 1
+                if child.count <= 0:  # its descendants counted only this occurrence: they go with it
+                    self.size -= _subtree_size(node.kids.pop(tok))
+                    break
+                node = child
+
     def prune(self) -> None:
         entries = []
         stack = [(self.root, 0)]
@@ -144,6 +162,15 @@ class SuffixTrie:
             return None
         trie.size = len(nodes) - 1
         return trie
+
+
+def _subtree_size(node: _Node) -> int:
+    size, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        size += 1
+        stack.extend(n.kids.values())
+    return size
 
 
 # ---------------------------------------------------------------------- drafting from a node
