@@ -24,7 +24,6 @@ Every failure is a :class:`~draftlab.errors.DraftlabError` (one line, exit 2 fro
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -291,17 +290,19 @@ def detect_format(config: dict, algorithm: str, where: str):
     return next(iter(found.values()))
 
 
-def _rounded(drafter, dtype: str | None):
-    """The drafter with its weights rounded through the export's dtype (and back to fp32), so
-    draftlab's side computes with exactly the weights the peer loads."""
+def _rounded(drafter, target, dtype: str | None):
+    """The drafter in its export form (``export_meta``, ``export_state_dict``: reparametrisations
+    folded in, as the peer loads them) with its floating weights rounded through the export's dtype
+    (and back), so draftlab's side computes with exactly the weights the peer loads."""
     if not dtype:
         return drafter
-    d = copy.deepcopy(drafter)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.is_floating_point():
-                p.copy_(p.to(getattr(torch, dtype)).float())
-    return d
+    family, cast = type(drafter), getattr(torch, dtype)
+    d = family.from_meta(family.check_meta(drafter.export_meta(), target), target)
+    state = {k: v.to(cast).to(v.dtype) if v.is_floating_point() else v for k, v in drafter.export_state_dict().items()}
+    missing, unexpected = d.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith(family.derived_keys) for k in missing):  # a family breaking the export_meta contract
+        raise RuntimeError(f"{family.algorithm}: export_state_dict does not fit export_meta ({sorted(unexpected or missing)[:3]})")
+    return d.eval()
 
 
 def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens: int | None = None,
@@ -342,7 +343,7 @@ def check_export(out, checkpoint, target="default", fmt=None, speculative_tokens
     say(f"served-equals-trained check: {out} ({fmt.title}) against {checkpoint}")
     say(f"  config: {report.config_fields} fields equal the checkpoint's and target's; tensors: {report.tensors} equal")
 
-    drafter = _rounded(drafter.eval(), opts.dtype)
+    drafter = _rounded(drafter.eval(), target, opts.dtype)
     peer = fmt.peer_proposer(out, config, drafter, target) if own_hook(fmt, "peer_proposer") else None
     if peer is None:
         say("  decoding: not run: this layout has no peer loader (Format.peer_proposer) or its package is not installed")

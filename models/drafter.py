@@ -483,6 +483,12 @@ class Drafter(nn.Module):
         Called only when :meth:`rewrites_batches` names a field."""
         return batch
 
+    def set_progress(self, step: int, total_steps: int) -> None:
+        """The trainer's position, before each optimizer step's forwards: ``step`` steps done of
+        ``total_steps``. An objective that follows a schedule over training (Domino's
+        base-anchored curriculum) reads it here; the step is restored on resume, so such a
+        schedule resumes with it. Default: nothing."""
+
     def forward(self, batch: dict, hidden: dict[int, torch.Tensor], loss_cfg: BaseModel):
         # DDP/FSDP synchronise through forward(), so training goes through it.
         return self.training_loss(batch, hidden, loss_cfg)

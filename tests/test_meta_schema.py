@@ -43,6 +43,7 @@ CONFIGS = {
     "dspark": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False, markov_rank=8),
     "dflash2": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False, selector_rank=8,
                     selector_top_k=4),
+    "domino": dict(num_layers=1, block_size=4, target_layers=[1, 3], draft_vocab_size=64, normalize_fc_input=False, gru_hidden_dim=8, emb_dim=8),
     "peagle": dict(num_layers=1, parallel_depth=3, draft_vocab_size=64, normalize_fc_input=False, fc_norm=True),
     "prism": dict(num_modules=2, step_map=[1, 0], module="eagle3", draft_vocab_size=64, normalize_fc_input=False, norm_output=True),
     "mtp": dict(num_layers=1, draft_vocab_size=64),

@@ -292,6 +292,7 @@ class Trainer:
         out_of_time = False
         while self.step < self.total_steps and not out_of_time:
             t0 = time.perf_counter()
+            self.drafter.set_progress(self.step, self.total_steps)  # a loss with a schedule over training reads it
             tokens = 0
             agg: dict = {}
             bad_loss = None  # this rank's first non-finite micro-batch loss: (value, its samples)
