@@ -415,6 +415,7 @@ def test_unknown_loss_kind_is_a_one_line_error(tmp_path, tiny_target_dirs):
     assert "loss.kind" in line and "'fkl'" in line, res.stderr
 
 
+@pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow
 def test_a_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dirs):
     """Tied embeddings (stored once) and the optimizer state come back exactly after a SIGKILL,
     with half of the sequences the draft's own samples (on-policy), drawn again alike."""

@@ -359,6 +359,7 @@ def _train(recipe: Path, kill_after=None):
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow
 def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_dirs, tmp_path):
     straight = _recipe(tmp_path, tiny_target_dirs["llama"], "straight")
     killed = _recipe(tmp_path, tiny_target_dirs["llama"], "killed", eval={"enabled": False})

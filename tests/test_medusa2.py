@@ -307,6 +307,7 @@ def _run(recipe, kill_after=None):
     return subprocess.run([sys.executable, *killer, "train/medusa2.py", str(recipe)], cwd=REPO, capture_output=True, text=True, env=e, timeout=300)
 
 
+@pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow
 def test_train_entry_point_resumes_bitwise_after_a_kill(tmp_path, tiny_target_dirs):
     target_dir = tiny_target_dirs["llama"]
     res = _run(_recipe(tmp_path, target_dir, "straight", eval_enabled=True))
