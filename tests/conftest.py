@@ -6,7 +6,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, their launches too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from tiny import make_tiny_target_dir  # noqa: E402
 

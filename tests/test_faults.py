@@ -183,7 +183,7 @@ def test_skip_nonfinite_is_refused_under_deepspeed(tmp_path, tiny_target_dirs, c
 
     pytest.importorskip("deepspeed")
     recipe = write_recipe(tmp_path, tiny_target_dirs["llama"], chat_file, train={"skip_nonfinite": 1})
-    res = run_train([recipe], launcher=accelerate_launch("deepspeed_zero2_cpu.yaml", 29650), timeout=600)
+    res = run_train([recipe], launcher=accelerate_launch("deepspeed_zero2_cpu.yaml", 29655), timeout=600)
     assert res.returncode != 0 and "train.skip_nonfinite: DeepSpeed steps its optimizer inside backward" in res.stderr
 
 
