@@ -36,6 +36,7 @@ from draftlab.inference.shapes import Block, Branch, Chain, ChainDraft, DraftTre
 from draftlab.inference.spec_loop import device_steps
 from draftlab.inference.tree import ancestor_mask, validate_tree
 from draftlab.kernels import accept_chains, accept_trees
+from draftlab.models.sparse_attention import AttentionRecorder, SparseKeys
 
 
 class Decoder:
@@ -292,11 +293,19 @@ class TargetSteps:
         """Each row's tokens in the cache (kept and drafted so far): its next input's position."""
         return [self._cache.lengths[s] for s in self._batch.slots]
 
+    def record_next_forward(self) -> AttentionRecorder:
+        """Have the next forward over the cache record its attention scores for the rows decoding
+        now, in their order (:class:`~draftlab.models.sparse_attention.AttentionRecorder`): set
+        when ``propose`` returns, that forward is the step's verify pass."""
+        self._cache.recorder = AttentionRecorder(self._cache.k.shape[0], self._batch.slots)
+        return self._cache.recorder
+
     def forward(self, input_ids: torch.Tensor, *, skip=(), position_ids: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, logits: str | None = "all"):
+                attn_mask: torch.Tensor | None = None, logits: str | None = "all", keys: SparseKeys | None = None):
         """The target over ``input_ids`` [rows, T] (``skip``, ``position_ids`` offsets [rows, T]
         and ``attn_mask`` [rows, T, T] among the new inputs, or over each row's past and new slots,
-        as :meth:`Target.forward` takes them with a ragged cache); a TargetOutput of the rows."""
+        ``keys`` [L, rows, H_kv, M] each row's past slots per layer and KV head, as
+        :meth:`Target.forward` takes them with a ragged cache); a TargetOutput of the rows."""
         slots, B = self._batch.slots, self._cache.batch_size
         R, T = input_ids.shape
         if R != len(slots):
@@ -313,8 +322,13 @@ class TargetSteps:
             full[:, :, :T] = torch.eye(T, dtype=torch.bool, device=device)  # idle rows see themselves
             full[slots] = attn_mask.to(device).expand(R, T, -1)
             attn_mask = full
+        if keys is not None:  # idle rows list no past slot: they see their own inputs only
+            index = keys.index.new_zeros(keys.index.shape[0], B, *keys.index.shape[2:])
+            valid = torch.zeros(index.shape, dtype=torch.bool, device=index.device)
+            index[:, slots], valid[:, slots] = keys.index, keys.valid
+            keys = SparseKeys(index, valid)
         out = self.target.forward(ids, cache=self._cache, position_ids=position_ids, attn_mask=attn_mask,
-                                  logits=logits, skip=skip)
+                                  logits=logits, skip=skip, keys=keys)
         out.logits = out.logits[slots] if out.logits is not None else None
         return out
 

@@ -121,9 +121,9 @@ class GraphedTarget:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, layers=(), cache=None, position_ids=None, attn_mask=None,
-                logits: str | None = "all", skip=()) -> TargetOutput:
+                logits: str | None = "all", skip=(), keys=None) -> TargetOutput:
         if not (isinstance(cache, RaggedKVCache) and cache.static):
-            return self.target.forward(input_ids, layers, cache, position_ids, attn_mask, logits, skip)
+            return self.target.forward(input_ids, layers, cache, position_ids, attn_mask, logits, skip, keys)
         B, T = input_ids.shape
         need = cache.check(T, attn_mask)
         if attn_mask is not None and attn_mask.shape[-1] != T:  # over past and new slots: padded to all of them
@@ -132,6 +132,8 @@ class GraphedTarget:
         key = (cache.k.data_ptr(), cache.k.stride(), B, T, logits, tuple(sorted(layers)), frozenset(skip),
                position_ids is None, None if attn_mask is None else tuple(attn_mask.shape))
         graph, why = self._graphs.get(key), self._failed.get(key)
+        if keys is not None or cache.recorder is not None:  # both seams run Python in every layer (models/sparse_attention.py)
+            graph, why = None, "sparse keys or recorded attention"
         if graph is None and why is None:
             why = "wider than max_inputs" if T > self.max_inputs else "past max_graphs" if len(self._graphs) >= self.max_graphs else None
             if why is None:
@@ -144,7 +146,7 @@ class GraphedTarget:
         if graph is None:
             self.stats[f"eager: {why}"] += 1
             step = cache.begin(T, position_ids, attn_mask if attn_mask is None or attn_mask.shape[-1] == T else attn_mask[..., :need])
-            out = self.target.forward_step(input_ids, cache, step, layers, logits, skip)
+            out = self.target.forward_step(input_ids, cache, step, layers, logits, skip, keys)
             cache.advance(T)
             return out
         self._fill(graph, input_ids, cache, position_ids, attn_mask)

@@ -42,8 +42,8 @@ from, which the decoder and the harness test with ``isinstance``; the base class
   merges its adapters into it): ``verifier(target)`` and ``verifier_report(...)``;
 - :class:`OwnModel`: the family drafts with a model of its own over its own KV cache (a draft
   LM): ``cache_bytes_per_token`` and ``use_graphs(wrap)``;
-- :class:`DraftsWithTarget`: the family drafts with the target itself (layer skipping):
-  ``use_target(steps)`` before ``start``, relayed by :meth:`RowProposers.use_target`;
+- :class:`DraftsWithTarget`: the family drafts with the target itself (layer skipping, sparse
+  attention): ``use_target(steps)`` before ``start``, relayed by :meth:`RowProposers.use_target`;
 - :class:`Branching`: its drafts carry a ``Branch`` of at most ``branch_inputs`` inputs
   (Jacobi lookahead), for which the decoder reserves room in the target's cache;
 - :class:`DraftsOnDevice`: its chains are drafted by tensor ops over static buffers

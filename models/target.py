@@ -29,6 +29,7 @@ from draftlab.device import device_ints
 from draftlab.errors import DraftlabError
 from draftlab.kernels.cpu_gemm import ON_MKL, PACKED_MAX_ROWS, PackedLinear, RowPlan, measure_row_plan, packing_available
 from draftlab.models.layers import rope
+from draftlab.models.sparse_attention import AttentionRecorder, SparseKeys, sparse_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # qwen3's per-head q/k norms run the reference layer
@@ -187,6 +188,8 @@ class RaggedKVCache:
     v: torch.Tensor
     lengths: list[int]
     static: bool = False
+    # records the attention of the next forward over this cache, which then detaches it (SparseSpec's verify pass)
+    recorder: AttentionRecorder | None = None
 
     @property
     def max_len(self) -> int:
@@ -471,6 +474,7 @@ class Target:
         attn_mask: torch.Tensor | None = None,
         logits: str | None = "all",
         skip: frozenset[int] | tuple[int, ...] = (),
+        keys: SparseKeys | None = None,
     ) -> TargetOutput:
         """Run the target over ``input_ids`` [B, T].
 
@@ -486,12 +490,19 @@ class Target:
         * ``logits``: "all", "last" or None.
         * ``skip``: decoder layers (0-based) to pass over: the residual stream goes through
           unchanged and the cache gets nothing at that layer (self-speculation drafts so).
+        * ``keys`` (ragged cache only): the past slots each layer's KV heads attend to, besides
+          the inputs themselves (:class:`~draftlab.models.sparse_attention.SparseKeys`; sparse
+          self-speculation drafts so); ``attn_mask`` then has no say over past slots.
+        * A ragged cache's ``recorder``, when set, records this forward's attention scores
+          (:mod:`~draftlab.models.sparse_attention`) and is detached after it.
         """
         B, T = input_ids.shape
         if isinstance(cache, RaggedKVCache):
-            out = self.forward_step(input_ids, cache, cache.begin(T, position_ids, attn_mask), layers, logits, skip)
+            out = self.forward_step(input_ids, cache, cache.begin(T, position_ids, attn_mask), layers, logits, skip, keys)
             cache.advance(T)
             return out
+        if keys is not None:
+            raise ValueError("Target.forward: sparse keys index a ragged KV cache's slots; pass one")
         past = cache.length if cache is not None else 0
         mask = attn_mask
         if position_ids is None:
@@ -505,16 +516,17 @@ class Target:
 
     @torch.no_grad()
     def forward_step(self, input_ids: torch.Tensor, cache: RaggedKVCache, step: CacheStep, layers=(), logits: str | None = "all",
-                     skip=()) -> TargetOutput:
+                     skip=(), keys: SparseKeys | None = None) -> TargetOutput:
         """:meth:`forward` with a ragged cache whose layout :meth:`RaggedKVCache.begin` settled,
         leaving the lengths as they were: no host work, so with a static cache and fixed
         tensors in ``step`` this is what a CUDA graph captures and replays."""
-        return self._run(input_ids, step.positions, step.mask, cache, step, 0, layers, logits, skip)
+        return self._run(input_ids, step.positions, step.mask, cache, step, 0, layers, logits, skip, keys)
 
-    def _run(self, input_ids, position_ids, mask, cache, step, past, layers, logits, skip) -> TargetOutput:
+    def _run(self, input_ids, position_ids, mask, cache, step, past, layers, logits, skip, keys=None) -> TargetOutput:
         x = self._backbone.embed_tokens(input_ids)
         cos, sin = self._backbone.rotary_emb(x, position_ids)
-        if step is not None and self.fused_decode:
+        recorder = cache.recorder if step is not None else None
+        if step is not None and self.fused_decode and keys is None and recorder is None:  # the fused kernels have neither seam
             return self._run_fused(x, cos, sin, cache, step, layers, logits, skip)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         if mask is not None:
@@ -525,9 +537,11 @@ class Target:
             hidden[0] = x
         for i, layer in enumerate(self._backbone.layers):
             if i not in skip:
-                x = self._layer(layer, x, cos, sin, cache, step, i, past, mask)
+                x = self._layer(layer, x, cos, sin, cache, step, i, past, mask, keys)
             if i + 1 in wanted and i + 1 < self.num_layers:
                 hidden[i + 1] = x
+        if recorder is not None:
+            cache.recorder = None  # it records one forward: the one it was set for
         x = self._backbone.norm(x)
         if self.num_layers in wanted:
             hidden[self.num_layers] = x
@@ -617,7 +631,7 @@ class Target:
                 )
         return self._small_row_plan
 
-    def _layer(self, layer, x, cos, sin, cache, step, i, past, mask):
+    def _layer(self, layer, x, cos, sin, cache, step, i, past, mask, keys=None):
         attn = layer.self_attn
         B, T, _ = x.shape
         h = layer.input_layernorm(x)
@@ -629,12 +643,18 @@ class Target:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if step is not None:
-            parts = [
-                F.scaled_dot_product_attention(q[lo:hi], kg, vg, attn_mask=mask[lo:hi, ..., : kg.shape[2]],
-                                               scale=attn.scaling, enable_gqa=True)
-                for lo, hi, kg, vg in cache.update(i, k, v, step)
-            ]
-            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+            groups = cache.update(i, k, v, step)
+            if cache.recorder is not None:
+                cache.recorder.record(i, q, groups, mask, attn.scaling)
+            if keys is not None:
+                o = sparse_attention(q, cache.k[i], cache.v[i], k, v, keys.index[i], keys.valid[i], attn.scaling)
+            else:
+                parts = [
+                    F.scaled_dot_product_attention(q[lo:hi], kg, vg, attn_mask=mask[lo:hi, ..., : kg.shape[2]],
+                                                   scale=attn.scaling, enable_gqa=True)
+                    for lo, hi, kg, vg in groups
+                ]
+                o = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             if cache is not None:
                 cache.k[i, :, :, past : past + T] = k
