@@ -10,7 +10,10 @@ Methods (``plain`` always runs: it is the baseline every other is held to):
 * ``das-global``: one suffix trie over every problem's rollouts of the last ``window`` epochs;
 * ``das``: DAS, one such trie per problem (:mod:`~draftlab.inference.das`);
 * ``das-budget``: DAS with the length-aware budget (:mod:`~draftlab.inference.das_budget`):
-  short requests do not speculate, medium ones draft up to k/2, long ones up to k.
+  short requests do not speculate, medium ones draft up to k/2, long ones up to k;
+* ``eagle3-stale``, ``eagle3-kd``, ``eagle3-rkd``: an EAGLE-3 drafter (``--drafter``) as given,
+  or distilled toward each epoch's policy on its rollouts before the next epoch, by online KD or
+  reward-weighted KD (ReSpec, :mod:`~draftlab.inference.respec`).
 
 Rollouts run one at a time, each problem's samples in turn, every method on the same (epoch,
 problem, sample) one after the other, so that the machine's slow spells fall on every method
@@ -30,12 +33,15 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.inference.metrics import AcceptanceStats
+from draftlab.inference.respec import EAGLE_METHODS, Rollout
+from draftlab.inference.respec import to_markdown as respec_markdown
 from draftlab.inference.rollout_stats import Z_MAX, compare, interval
 from draftlab.inference.rollout_tasks import reward
 from draftlab.limits import MAX_K
 
 FORMAT = "draftlab-rollouts/1"
-METHODS = ("plain", "suffix", "das-global", "das", "das-budget")
+METHODS = ("plain", "suffix", "das-global", "das", "das-budget", *EAGLE_METHODS)
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in EAGLE_METHODS)  # what needs no drafter checkpoint
 TEMPERATURE = 1.0
 
 
@@ -44,7 +50,7 @@ class WorkloadSpec:
     samples: int = 4
     k: int = 4
     window: int = 16
-    methods: tuple = METHODS
+    methods: tuple = DEFAULT_METHODS
     max_new_tokens: int = 64
     seed: int = 0
     min_prob: float = 0.1
@@ -79,7 +85,8 @@ def parse_methods(spec: str) -> tuple:
 
 def make_proposers(spec: WorkloadSpec) -> dict:
     """Method -> its proposer (None: plain decoding), each built once for the whole run: a DAS
-    method's history lives across epochs."""
+    method's history lives across epochs. The EAGLE-3 methods' are built per epoch
+    (:class:`~draftlab.inference.respec.OnlineDrafters`), next to that epoch's policy."""
     from draftlab.inference.das import DASProposer, RolloutHistory
     from draftlab.inference.das_budget import LengthBudget
     from draftlab.inference.suffix import SuffixProposer
@@ -94,7 +101,7 @@ def make_proposers(spec: WorkloadSpec) -> dict:
         "das": lambda: das("problem"),
         "das-budget": lambda: das("problem", LengthBudget(k_medium=max(1, spec.k // 2), k_long=spec.k)),
     }
-    return {m: build[m]() for m in spec.methods}
+    return {m: build[m]() for m in spec.methods if m not in EAGLE_METHODS}
 
 
 def prompt_of(tokenizer, problem) -> list[int]:
@@ -133,6 +140,7 @@ class _Cell:
     rewards: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     strata: list = field(default_factory=list)
+    responses: list = field(default_factory=list)  # (prompt, tokens): what the epoch's distillation reads
     tokens: int = 0
     seconds: float = 0.0
     greedy: list = field(default_factory=list)  # per problem: equal to plain greedy decoding
@@ -142,13 +150,17 @@ def _seed(spec: WorkloadSpec, epoch: int, problem: int, sample: int) -> int:
     return (spec.seed * 1_000_003 + epoch * 10_007 + problem * 101 + sample) % (2**31)
 
 
-def run_workload(policies, spec: WorkloadSpec, problems=None, log=None) -> dict:
+def run_workload(policies, spec: WorkloadSpec, problems=None, log=None, online=None) -> dict:
     """Every epoch of ``policies`` (a :class:`~draftlab.inference.policies.PolicySequence`) over
-    ``problems`` (default: the sequence's own); the report as a dict (:func:`to_markdown`)."""
+    ``problems`` (default: the sequence's own); the report as a dict (:func:`to_markdown`).
+    ``online``: the EAGLE-3 methods' :class:`~draftlab.inference.respec.OnlineDrafters`, needed
+    when ``spec.methods`` names one."""
     spec.check()
     problems = list(problems if problems is not None else policies.problems)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    proposers = make_proposers(spec)
+    if online is None and any(m in EAGLE_METHODS for m in spec.methods):
+        raise DraftlabError("the eagle3-* methods need their drafters (OnlineDrafters)")
+    built = make_proposers(spec)
     t_start = time.perf_counter()
     cells: dict[tuple[int, str], _Cell] = {}
     for epoch in range(len(policies.entries)):
@@ -156,6 +168,13 @@ def run_workload(policies, spec: WorkloadSpec, problems=None, log=None) -> dict:
         prompts = [prompt_of(target.tokenizer, p) for p in problems]
         # untimed: a new target's first decoding steps measure its small-row plan, which would bill the first method
         decode(target, None, prompts[0], WorkloadSpec(max_new_tokens=2), 0.0, 0)
+        eagles = online.proposers(target, spec.k) if online is not None else {}
+        proposers = {m: built[m] if m in built else eagles[m] for m in spec.methods}
+        if online is not None and online.methods and online.calibration is None and online.spec.batch_sizes:
+            # the rollout engine's batches: the epoch's prompts, each ``samples`` times
+            online.calibrate(target, eagles[online.methods[0]], [p for p in prompts for _ in range(spec.samples)], spec.k,
+                             spec.max_new_tokens, target.tokenizer.eos_token_id, spec.seed, log)
+        rules = {m: online.rule() for m in eagles}
         for p in proposers.values():
             if getattr(p, "history", None) is not None:
                 p.history.begin_epoch(epoch)
@@ -170,9 +189,13 @@ def run_workload(policies, spec: WorkloadSpec, problems=None, log=None) -> dict:
                         proposer.history.close(prompt, res.tokens)
                     cell = cells[epoch, m]
                     cell.stats.add_many(res.accept_lengths, res.num_drafted)
+                    if rules.get(m) is not None:
+                        for d, n in zip(res.num_drafted, res.accept_lengths):
+                            rules[m].observe([d], [n])
                     cell.rewards.append(reward(problem, target.tokenizer.decode(res.tokens, skip_special_tokens=True)))
                     cell.logprobs.append(token_logprob(target, prompt, res.tokens))
                     cell.strata.append((epoch, problem.id))
+                    cell.responses.append((prompt, res.tokens))
                     cell.tokens += len(res.tokens)
                     cell.seconds += res.total_time
             if spec.greedy_check:
@@ -184,11 +207,16 @@ def run_workload(policies, spec: WorkloadSpec, problems=None, log=None) -> dict:
         log(f"epoch {epoch} ({policies.entries[epoch]}): " + ", ".join(
             f"{m} τ {cells[epoch, m].stats.tau:.2f} reward {sum(cells[epoch, m].rewards) / len(cells[epoch, m].rewards):.2f}"
             for m in spec.methods))
-        del target
-    return _report(policies, spec, problems, cells, time.perf_counter() - t_start)
+        for m in eagles:
+            online.record(epoch, m, rules[m])
+        if eagles and epoch + 1 < len(policies.entries):
+            plain = cells[epoch, "plain"]
+            online.after_epoch(epoch, target, [Rollout(p, r, w) for (p, r), w in zip(plain.responses, plain.rewards)], log)
+        del target, eagles, proposers
+    return _report(policies, spec, problems, cells, time.perf_counter() - t_start, online)
 
 
-def _report(policies, spec: WorkloadSpec, problems, cells: dict, wall: float) -> dict:
+def _report(policies, spec: WorkloadSpec, problems, cells: dict, wall: float, online=None) -> dict:
     epochs = sorted({e for e, _ in cells})
     rows = []
     for e in epochs:
@@ -198,6 +226,7 @@ def _report(policies, spec: WorkloadSpec, problems, cells: dict, wall: float) ->
             rows.append({
                 "epoch": e, "policy": policies.entries[e], "method": m, "tau": c.stats.tau,
                 "accepted_per_drafted": c.stats.num_accepted / c.stats.num_drafted if c.stats.num_drafted else 0.0,
+                "alpha": c.stats.alpha[: spec.k],
                 "reward": interval(c.rewards, c.strata), "logprob": interval(c.logprobs, c.strata),
                 "tokens": c.tokens, "wall_s": c.seconds, "speedup": plain.seconds / c.seconds if c.seconds > 0 else None,
                 "greedy_match": f"{sum(c.greedy)}/{len(c.greedy)}" if spec.greedy_check else None,
@@ -218,6 +247,7 @@ def _report(policies, spec: WorkloadSpec, problems, cells: dict, wall: float) ->
         "problems": [p.id for p in problems], "samples": spec.samples, "k": spec.k, "window": spec.window,
         "max_new_tokens": spec.max_new_tokens, "temperature": TEMPERATURE, "min_prob": spec.min_prob,
         "methods": list(spec.methods), "z_max": Z_MAX, "rows": rows, "lossless": lossless, "wall_s": wall,
+        **({"respec": online.report()} if online is not None and online.methods else {}),
     }
 
 
@@ -239,4 +269,6 @@ def to_markdown(rep: dict) -> str:
     for m, v in rep["lossless"].items():
         d = lambda x: f"{x['diff']:+.3f} [{x['lo']:+.3f}, {x['hi']:+.3f}] (z {x['z']:+.2f})"  # noqa: E731
         lines.append(f"| {m} | {d(v['reward_diff'])} | {d(v['logprob_diff'])} | {v['greedy_match']} | {'yes' if v['consistent'] else 'NO'} |")
+    if "respec" in rep:
+        lines += ["", respec_markdown(rep)]
     return "\n".join(lines) + "\n"
