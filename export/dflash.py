@@ -348,6 +348,24 @@ class ZlabDFlash(Format):
         return _meta(shape, cfg, target, V, [i + 1 for i in ids], block_size, mask, where, "dflash_config.target_layer_ids (+1)")
 
 
+def specforge_model(out, config: dict, model_cls):
+    """A SpecForge draft model class built from an export's ``config`` (its Qwen3 decoder, eager
+    attention) with the export's weights loaded strictly, in fp32; a one-line error if they do not fit."""
+    from transformers import Qwen3Config
+
+    from draftlab.checkpoint import read_weights
+
+    cfg = Qwen3Config(**config)
+    cfg._attn_implementation = "eager"
+    m = model_cls(cfg)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
+    try:
+        m.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise DraftlabError(f"{out}: SpecForge's {model_cls.__name__} does not load the weights ({str(e).splitlines()[1].strip()})") from None
+    return m.float().eval()
+
+
 class SpecForgeDFlashPeer(PeerProposer):
     """Drafts with SpecForge 0.2.0's z-lab ``DFlashDraftModel`` (the layout SGLang loads) built from
     the export's config.json, weights loaded strictly: its ``forward`` over the block
@@ -359,20 +377,9 @@ class SpecForgeDFlashPeer(PeerProposer):
     shapes = frozenset({"block"})
 
     def __init__(self, out, config, drafter, target, module):
-        from transformers import Qwen3Config
-
-        from draftlab.checkpoint import read_weights
-
-        cfg = Qwen3Config(**config)
-        cfg._attn_implementation = "eager"
-        m = module.DFlashDraftModel(cfg)
+        m = specforge_model(out, config, module.DFlashDraftModel)
         super().__init__(sorted({i + 1 for i in m.target_layer_ids} | set(drafter.capture_layers)), drafter)
-        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
-        try:
-            m.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise DraftlabError(f"{out}: SpecForge's DFlashDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
-        self.model, self.extract, self.target = m.float().eval(), module.extract_context_feature, target
+        self.model, self.extract, self.target = m, module.extract_context_feature, target
         self.mask, self.G = config["dflash_config"]["mask_token_id"], config["block_size"]
 
     def draft(self, k):

@@ -35,7 +35,7 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.export.check import PeerProposer, max_diff
-from draftlab.export.dflash import ZlabDFlash, _int
+from draftlab.export.dflash import ZlabDFlash, _int, specforge_model
 from draftlab.export.formats import ExportOptions, register
 
 DOMINO_KEYS = ("projector_type", "gru_hidden_dim", "emb_dim", "pure_draft_prefix_len", "shift_label")
@@ -140,22 +140,11 @@ class SpecForgeDominoPeer(PeerProposer):
     shapes = frozenset({"block"})
 
     def __init__(self, out, config, drafter, target, module):
-        from transformers import Qwen3Config
-
-        from draftlab.checkpoint import read_weights
-
-        cfg = Qwen3Config(**config)
-        cfg._attn_implementation = "eager"
-        m = module.DominoDraftModel(cfg)
-        super().__init__(sorted({i + 1 for i in m.target_layer_ids} | set(drafter.capture_layers)), drafter)
-        state = {k: v.float() if v.is_floating_point() else v for k, v in read_weights(out / "model.safetensors").items()}
-        try:
-            m.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise DraftlabError(f"{out}: SpecForge's DominoDraftModel does not load the weights ({str(e).splitlines()[1].strip()})") from None
         from specforge.modeling.draft.dflash import extract_context_feature
 
-        self.model, self.extract, self.target = m.float().eval(), extract_context_feature, target
+        m = specforge_model(out, config, module.DominoDraftModel)
+        super().__init__(sorted({i + 1 for i in m.target_layer_ids} | set(drafter.capture_layers)), drafter)
+        self.model, self.extract, self.target = m, extract_context_feature, target
         self.mask, self.G = config["dflash_config"]["mask_token_id"], config["block_size"]
         # what _sample_draft_tokens reads of the target: its lm_head and its embedding
         self.heads = SimpleNamespace(lm_head=lambda h: target.lm_head(h).float(),
