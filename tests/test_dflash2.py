@@ -17,10 +17,7 @@ export/dflash2.py) on the tiny random targets.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -41,7 +38,7 @@ from draftlab.inference.shapes import Block
 from draftlab.losses.dflash2 import inject_gold
 from draftlab.models.diffusion import DiffusionDrafter
 from draftlab.models.dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Loss, GroupedDynamicConv
-from tiny import assert_follows_target, assert_one_line, edit_checkpoint, random_samples, save_checkpoint, write_chat
+from tiny import assert_follows_target, assert_one_line, edit_checkpoint, random_samples, run_train_script, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -564,9 +561,7 @@ def _recipe(tmp_path: Path, target_dir, data: Path, name: str, **edits) -> Path:
 
 
 def _train(recipe: Path, kill_after=None):
-    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-    return subprocess.run([sys.executable, *killer, str(REPO / "train" / "dflash2.py"), str(recipe)], cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    return run_train_script("dflash2", recipe, kill_after)
 
 
 @pytest.mark.slow

@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +30,7 @@ from draftlab.inference.hydra import HydraProposer, root_inputs
 from draftlab.inference.proposer import load_proposer
 from draftlab.inference.shapes import Chain, DynamicTree, OptionError, StaticTree
 from draftlab.models.hydra import HydraConfig, HydraDrafter, HydraLoss
-from tiny import assert_one_line, edit_checkpoint, final_hidden, random_samples, save_checkpoint, write_chat
+from tiny import assert_one_line, edit_checkpoint, final_hidden, random_samples, run_train_script, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -353,10 +350,7 @@ def test_the_recipe_is_valid_and_builds_hydra_plus_plus():
 
 # ---------------------------------------------------------------------------- the shared trainer
 def _train(recipe: Path, kill_after=None):
-    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *killer, str(REPO / "train" / "hydra.py"), str(recipe)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    return run_train_script("hydra", recipe, kill_after)
 
 
 @pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow

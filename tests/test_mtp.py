@@ -18,10 +18,7 @@ export/mtp_speculators.py).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +38,7 @@ from draftlab.inference.shapes import Chain, DynamicTree, StaticTree
 from draftlab.losses.eagle import shift_left
 from draftlab.losses.mtp import step_weights
 from draftlab.models.mtp import MtpConfig, MtpDrafter, MtpLoss
-from tiny import assert_one_line, random_samples, save_checkpoint, write_chat
+from tiny import assert_one_line, random_samples, run_train_script, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -354,10 +351,7 @@ def test_the_shipped_recipe_is_a_k3_mtp_run():
 
 
 def _train(recipe: Path, kill_after=None):
-    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *killer, str(REPO / "train" / "mtp.py"), str(recipe)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    return run_train_script("mtp", recipe, kill_after)
 
 
 @pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow

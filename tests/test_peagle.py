@@ -12,9 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +31,7 @@ from draftlab.inference.shapes import Block, Chain, DynamicTree, OptionError
 from draftlab.losses.eagle import shift_left
 from draftlab.losses.peagle import cod_anchors
 from draftlab.models.peagle import PEagleConfig, PEagleDrafter, PEagleLoss
-from tiny import assert_one_line, random_samples, save_checkpoint, write_chat
+from tiny import assert_one_line, random_samples, run_train_script, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -296,10 +293,7 @@ def test_recipe_refuses_bad_fields_in_one_line(section, values, says, tiny_targe
 
 
 def _train(recipe: Path, kill_after=None):
-    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *killer, str(REPO / "train" / "peagle.py"), str(recipe)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    return run_train_script("peagle", recipe, kill_after)
 
 
 @pytest.mark.slow

@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ from draftlab.inference.proposer import PROPOSERS, load_proposer
 from draftlab.inference.shapes import Chain, DynamicTree, StaticTree
 from draftlab.models.eagle import Eagle3Config, Eagle3Drafter
 from draftlab.models.prism import PrismConfig, PrismDrafter, PrismLoss
-from tiny import assert_one_line, random_samples, save_checkpoint, write_chat
+from tiny import assert_one_line, random_samples, run_train_script, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -331,10 +328,7 @@ def test_the_recipe_is_read_and_sized_as_its_comments_say():
 
 
 def _train(recipe: Path, kill_after=None):
-    killer = [str(REPO / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *killer, str(REPO / "train" / "prism.py"), str(recipe)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    return run_train_script("prism", recipe, kill_after)
 
 
 @pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow

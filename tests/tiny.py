@@ -242,3 +242,16 @@ def chi2_pvalue(counts, joint: dict, n: int) -> float:
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     df = len(obs) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def run_train_script(family: str, recipe: Path, kill_after: int | None = None, timeout: int = 600):
+    """``python train/<family>.py RECIPE`` as a user launches it, one thread; with ``kill_after``,
+    SIGKILLed once that checkpoint step is written (tests/kill_after_checkpoint.py)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    killer = [str(repo / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
+    return subprocess.run([sys.executable, *killer, str(repo / "train" / f"{family}.py"), str(recipe)], cwd=repo,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
