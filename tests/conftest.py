@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import draftlab  # noqa: F401  first: the checkout's folders yield installed packages' names (draftlab/checkout.py)
+
 sys.path.insert(0, str(Path(__file__).parent))
 if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, their launches too
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -4,6 +4,7 @@ sys.path), and that folder holds none of the subpackages pyproject.toml maps fro
 folders: they must be found from it with a regular (wheel) install as well as with the editable
 one. And it names no path outside itself."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -77,3 +78,26 @@ def test_a_wheel_install_runs_the_checkouts_tests_from_the_root(tmp_path):
     res = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_kernels.py"],
                          cwd=REPO, **run)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def test_the_checkout_folders_hide_no_installed_package(tmp_path):
+    """From the checkout's root, a top-level name that an installed package also has (Hugging Face's
+    ``kernels``, which transformers imports) resolves to the installed package; one that nothing
+    installed has stays the folder; the folder names are pyproject's package-dir folders."""
+    import tomllib
+
+    from draftlab.checkout import FOLDERS
+
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert sorted(FOLDERS) == sorted(v for v in mapping.values() if v != "draftlab")
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("WHO = 'installed'\n")
+    code = ("import draftlab, kernels, losses, draftlab.kernels as k; "
+            "print(getattr(kernels, 'WHO', kernels.__file__), losses.__file__, k.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path / 'site'}"})
+    assert out.returncode == 0, out.stderr
+    who, losses_file, ours = out.stdout.split()
+    assert who == "installed"
+    assert Path(losses_file) == REPO / "losses" / "__init__.py" and Path(ours) == REPO / "kernels" / "__init__.py"
