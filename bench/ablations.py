@@ -10,7 +10,7 @@ Every arm is ``draftlab train RECIPE`` with the dotted overrides common to all (
 ``--capture``: one ``draftlab capture`` of the recipe's data section, so every arm trains on the
 same features, tokens and batches. Each arm's last checkpoint is decoded by ``draftlab eval`` on the
 same ``--num-prompts`` held-out ShareGPT prompts at chain ``--k``, and the table pairs it with the
-``recipe`` arm per prompt (bench/trainer_parity.py's bootstrap: pooled α_j and τ, one s.e.).
+``recipe`` arm per prompt (draftlab.inference.paired's bootstrap: pooled α_j and τ, one s.e.).
 Stages resume: a finished arm (``OUT/<arm>/trained.json``) or report is not run again.
 """
 
@@ -21,7 +21,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.trainer_parity import bootstrap, eval_arm, stage, table, train_draftlab
+from bench.trainer_parity import eval_arm, stage, table, train_draftlab
+from draftlab.inference.paired import bootstrap
 from draftlab.errors import DraftlabError
 
 # name -> (overrides, the peer default it stands for)

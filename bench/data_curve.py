@@ -531,7 +531,7 @@ def training_minutes(pdir: Path) -> float | None:
 
 def run_point(curve: Curve, tokens: int, entry: dict) -> dict:
     from bench.machine import cpu_name
-    from bench.trainer_parity import bootstrap
+    from draftlab.inference.paired import bootstrap
 
     a = curve.args
     pdir = curve.point_dir(tokens)

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import subprocess
 import sys
 import time
@@ -58,12 +56,12 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.inference.paired import bootstrap, pm
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("draftlab", "speculators", "specforge")
 PEERS = {"speculators": ("speculators", "0.9.0"), "specforge": ("specforge", "0.2.0")}
 IMPORT_FORMAT = {"speculators": "speculators", "specforge": "sglang"}
-BOOTSTRAP = 2000
 
 
 # ------------------------------------------------------------------------------ shared set-up
@@ -370,67 +368,13 @@ def eval_arm(recipe_path: str, target: str, checkpoint: str, out: Path, args) ->
     return json.loads(report.read_text())
 
 
-# ------------------------------------------------------------------------------ statistics
-def pooled(prompts: list[dict], k: int) -> tuple[list[float], float]:
-    """(α_1..α_k, τ) pooled over the prompts' verify steps, as the report pools them."""
-    steps = sum(p["num_steps"] for p in prompts)
-    reached = [sum(p["reached"][j] for p in prompts) for j in range(k)]
-    alpha, prev = [], steps
-    for r in reached:
-        alpha.append(r / prev if prev else float("nan"))
-        prev = r
-    return alpha, 1 + sum(reached) / steps if steps else float("nan")
-
-
-def bootstrap(reports: dict[str, dict], k: int, base: str = "draftlab", seed: int = 0) -> dict:
-    """Per arm: pooled α_j and τ with one s.e. over prompts; against ``base``: the paired
-    difference of each (the same resampled prompts for both) and prompts better/worse in τ."""
-    ids = [p["id"] for p in reports[base]["prompts"]]
-    by_id = {s: {p["id"]: p for p in r["prompts"]} for s, r in reports.items()}
-    for s, r in by_id.items():
-        if sorted(r) != sorted(ids):
-            raise DraftlabError(f"{s}: its report decoded other prompts than {base}'s")
-    rng = random.Random(seed)
-    draws = [[rng.randrange(len(ids)) for _ in ids] for _ in range(BOOTSTRAP)]
-    out = {}
-    for s in reports:
-        ps = [by_id[s][i] for i in ids]
-        alpha, tau = pooled(ps, k)
-        samples = []
-        for d in draws:
-            a, t = pooled([ps[j] for j in d], k)
-            b = pooled([by_id[base][ids[j]] for j in d], k)
-            samples.append(([*a, t], [x - y for x, y in zip([*a, t], [*b[0], b[1]])]))
-        se = [_sd([v[0][j] for v in samples]) for j in range(k + 1)]
-        dse = [_sd([v[1][j] for v in samples]) for j in range(k + 1)]
-        ba, bt = pooled([by_id[base][i] for i in ids], k)
-        diff = [x - y for x, y in zip([*alpha, tau], [*ba, bt])]
-        better = sum(by_id[s][i]["tau"] > by_id[base][i]["tau"] for i in ids)
-        worse = sum(by_id[s][i]["tau"] < by_id[base][i]["tau"] for i in ids)
-        out[s] = {"alpha": alpha, "tau": tau, "se": se, "diff": diff, "diff_se": dse, "better": better, "worse": worse,
-                  "matched": sum(bool(p.get("matched")) for p in ps), "prompts": len(ps)}
-    return out
-
-
-def _pm(x: float, se: float) -> str:
-    return "–" if math.isnan(x) else f"{x:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
-
-
-def _sd(xs: list[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]  # an α_j with no step reaching j-1 in a resample
-    if len(xs) < 2:
-        return float("nan")
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1))
-
-
 # ------------------------------------------------------------------------------ table
 def table(stats: dict, trained: dict, k: int, base: str = "draftlab") -> str:
     head = ["arm", *[f"α{j}" for j in range(1, k + 1)], "τ", f"τ − {base}'s (paired)", "greedy match",
             "its own training metric", "training wall"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, st in stats.items():
-        cells = [s] + [_pm(st["alpha"][j], st["se"][j]) for j in range(k)]
+        cells = [s] + [pm(st["alpha"][j], st["se"][j]) for j in range(k)]
         cells.append(f"{st['tau']:.3f} ± {st['se'][k]:.3f}")
         cells.append("–" if s == base else f"{st['diff'][k]:+.3f} ± {st['diff_se'][k]:.3f} ({st['better']} better, {st['worse']} worse)")
         cells.append(f"{st['matched']}/{st['prompts']}")
@@ -506,7 +450,7 @@ def run(argv, args) -> int:
         return 0
     for s in args.systems:
         reports[s] = eval_arm(ctx.recipe_path, ctx.recipe.target.model, import_arm(ctx, s, trained[s], out / s), out / s, args)
-    stats = bootstrap(reports, args.k)
+    stats = bootstrap(reports, args.k, base="draftlab")
     text = table(stats, trained, args.k)
     print(text)
     write_json(out / f"parity-k{args.k}-n{args.num_prompts}.json", {"stats": stats, "trained": trained})

@@ -9,8 +9,8 @@ each position's argmax; sampling: a sample of q_j, which depends on the drafts b
 chain verifier allows (``probs`` carries it, so verification stays lossless). The device loop
 (:mod:`~draftlab.inference.spec_loop`) drafts every row's block so, greedily, in tensor ops.
 
-``correction=False`` drafts from the backbone alone (the diffusion proposer's drafts), for an
-ablation of one checkpoint: :func:`correction_reports`.
+``correction=False`` drafts from the backbone alone (the diffusion proposer's drafts): what the
+correction adds to one checkpoint, ``python -m draftlab.inference.lift``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from draftlab.inference.shapes import Block, ChainDraft
 
 @PROPOSERS.register("domino")
 class DominoProposer(DiffusionProposer):
+    part = "correction"  # the keyword that switches it off (inference/lift.py)
+
     def __init__(self, drafter, trained_depth: int | None = None, correction: bool = True):
         super().__init__(drafter, trained_depth=trained_depth)
         self.correction = correction
@@ -70,18 +72,3 @@ class DominoProposer(DiffusionProposer):
             if j + 1 < states.shape[1]:
                 gru = d.gru_step(out[-1], gru)
         return torch.stack(out, 1)
-
-
-def correction_reports(checkpoint_dir, target, prompts, spec, seed: int = 0) -> dict[str, dict]:
-    """Acceptance reports (:func:`~draftlab.inference.evaluate.acceptance_report`) of one Domino
-    checkpoint decoding ``prompts`` by ``spec`` (a block), with the correction (``"domino"``) and
-    from the backbone alone (``"backbone"``)."""
-    from draftlab.checkpoint import load_drafter
-    from draftlab.inference.evaluate import acceptance_report
-
-    drafter, _ = load_drafter(checkpoint_dir, target)
-    eos = getattr(target.tokenizer, "eos_token_id", None)
-    return {
-        name: acceptance_report(target, DominoProposer(drafter, correction=on), prompts, spec, seed=seed, eos_token_id=eos, label=name)
-        for name, on in (("domino", True), ("backbone", False))
-    }

@@ -1,4 +1,4 @@
-"""DFlash2 (models/dflash2.py, losses/dflash2.py, inference/dflash2.py, inference/dflash2_eval.py,
+"""DFlash2 (models/dflash2.py, losses/dflash2.py, inference/dflash2.py, inference/lift.py,
 export/dflash2.py) on the tiny random targets.
 
 * The convolution is the identity at initialisation (the block is the DFlash backbone's), is its
@@ -351,42 +351,48 @@ def test_sampled_decoding_keeps_the_target_distribution(tiny_llama, trained):
 # ---------------------------------------------------------------------------- three acceptances
 def test_three_acceptances_of_one_drafter(tiny_llama, drafter, trained):
     from draftlab.inference.decoding_spec import DecodingSpec
-    from draftlab.inference.dflash2_eval import acceptances, heldout_slots, table
+    from draftlab.inference.dflash2 import heldout_slots
+    from draftlab.inference.lift import lift, table
     from draftlab.inference.prompts import EvalPrompt
 
     t = tiny_llama
     samples = random_samples(t, n=2, T=20, seed=8)
     slots = heldout_slots(drafter, t, samples)
     assert slots["blocks"] == 2 * 18 and slots["top_k"] == 4  # anchors 1..18 of each sample
-    assert all(b <= r for b, r in zip(slots["backbone_acc"], slots["recall_at_k"]))  # the top-1 is among the top-K
+    assert all(b <= r for b, r in zip(slots["backbone"]["acc"], slots["recall_at_k"]))  # the top-1 is among the top-K
     every = heldout_slots(_drafter(t, top_k=400), t, samples)  # K = the vocabulary: the target's token is always there
     assert every["recall_at_k"] == [1.0, 1.0, 1.0]
     d, prompts, rows = trained  # its own training rows: every slot's draft right, both ways
     prompts = [EvalPrompt("test", p.tolist(), str(i)) for i, p in enumerate(prompts[:2])]
-    result = acceptances(t, d, prompts, DecodingSpec(method="block", k=3, max_new_tokens=12), rows[:2])
-    assert result["selector"]["drafter"] == "dflash2" and result["backbone"]["drafter"] == "dflash2 backbone top-1"
-    assert result["selector"]["greedy_match"] == result["backbone"]["greedy_match"] == "2/2"
-    assert result["selector"]["tau"] > 2.5 and result["backbone"]["tau"] > 2.5
-    assert result["heldout"]["recall_at_k"] == result["heldout"]["selector_acc"] == [1.0, 1.0, 1.0]
-    assert "recall@8" in table(result)
+    result = lift(t, d, prompts, DecodingSpec(method="block", k=3, max_new_tokens=12), rows[:2])
+    reports = result["reports"]
+    assert result["part"] == "selector" and reports["selector"]["drafter"] == "dflash2"
+    assert reports["backbone"]["drafter"] == "dflash2 backbone top-1"
+    assert reports["selector"]["greedy_match"] == reports["backbone"]["greedy_match"] == "2/2"
+    assert reports["selector"]["tau"] > 2.5 and reports["backbone"]["tau"] > 2.5
+    assert result["paired"]["selector"]["tau"] == pytest.approx(reports["selector"]["tau"])  # pooled as the report pools
+    assert result["heldout"]["recall_at_k"] == result["heldout"]["selector"]["acc"] == [1.0, 1.0, 1.0]
+    assert "recall@8" in table(result) and "| selector |" in table(result)
 
 
-def test_the_three_acceptances_command(drafter, tiny_llama, tiny_target_dirs, tmp_path, capsys):
-    """``python -m draftlab.inference.dflash2_eval CKPT --recipe R [overrides]``: target, held-out split and
-    eval spec from the recipe; a checkpoint of another family is one line and exit 2."""
-    from draftlab.inference.dflash2_eval import main
+def test_the_lift_command(drafter, tiny_llama, tiny_target_dirs, tmp_path, capsys):
+    """``python -m draftlab.inference.lift CKPT --recipe R [overrides]``: target, held-out split and
+    eval spec from the recipe; a checkpoint of a family without a part is one line and exit 2."""
+    from draftlab.inference.lift import main
     from draftlab.models.diffusion import DiffusionConfig
 
     c = save_checkpoint(drafter, tiny_llama, tmp_path / "ckpt")
     recipe = _recipe(tmp_path, tiny_target_dirs["llama"], write_chat(tmp_path / "chat.jsonl", 8, assistant_words=12), "run")
-    assert main([str(c), "--recipe", str(recipe), "eval.max_new_tokens=6", "--report", str(tmp_path / "three.json")]) == 0
+    assert main([str(c), "--recipe", str(recipe), "eval.max_new_tokens=6", "--report", str(tmp_path / "lift.json")]) == 0
     out = capsys.readouterr().out
-    assert "| backbone top-1 |" in out and "| selector path |" in out and "recall@4 per slot" in out
-    assert set(json.loads((tmp_path / "three.json").read_text())) == {"selector", "backbone", "heldout"}
+    assert "| backbone |" in out and "| selector |" in out and "recall@4 per slot" in out and "2 prompts" in out
+    assert set(json.loads((tmp_path / "lift.json").read_text())) == {"part", "reports", "paired", "heldout"}
     other = save_checkpoint(DiffusionDrafter.build(DiffusionConfig(num_layers=1, block_size=4, target_layers=LAYERS, draft_vocab_size=0),
                                                    tiny_llama, random_samples(tiny_llama, n=2)), tiny_llama, tmp_path / "diffusion")
     assert main([str(other), "--recipe", str(recipe)]) == 2
-    assert "a diffusion checkpoint, not dflash2" in capsys.readouterr().err
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the target's loading bar
+    assert last.startswith("python -m draftlab.inference.lift: error: a diffusion drafter has no part to switch off")
+    assert "dflash2 (selector), domino (correction)" in last
 
 
 # ---------------------------------------------------------------------------- one-line errors

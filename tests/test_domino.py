@@ -366,7 +366,7 @@ def test_one_checkpoint_reports_with_and_without_the_correction(tiny_llama, trai
     """Each report decodes as the proposer with the correction on or off does, greedy output equal
     to plain decoding either way (the trained drafter with its correction scaled up, so the two differ)."""
     from draftlab.inference.decoding_spec import DecodingSpec
-    from draftlab.inference.domino import correction_reports
+    from draftlab.inference.lift import lift
     from draftlab.inference.metrics import AcceptanceStats
     from draftlab.inference.prompts import EvalPrompt
 
@@ -375,16 +375,19 @@ def test_one_checkpoint_reports_with_and_without_the_correction(tiny_llama, trai
     edit_checkpoint(c, weights=lambda s: s.update({"embed_proj.2.weight": s["embed_proj.2.weight"] * 20}))
     d, _ = ckpt.load_drafter(c, tiny_llama)
     spec = DecodingSpec(method="block", k=3, max_new_tokens=24, baseline=True)
-    reports = correction_reports(c, tiny_llama, [EvalPrompt(category="chat", prompt_ids=p.tolist()) for p in prompts], spec)
+    result = lift(tiny_llama, d, [EvalPrompt(category="chat", prompt_ids=p.tolist(), id=str(i)) for i, p in enumerate(prompts)], spec)
+    reports = result["reports"]
+    assert result["part"] == "correction" and result["heldout"] is None
     assert all(r["greedy_match"] == f"{len(prompts)}/{len(prompts)}" for r in reports.values())
-    for name, on in (("domino", True), ("backbone", False)):
+    for name, on in (("correction", True), ("backbone", False)):
         stats = AcceptanceStats()
         for p in prompts:
             res = SpeculativeDecoder(tiny_llama, DominoProposer(d, correction=on)).generate(
                 p, 24, Block(3), eos_token_id=tiny_llama.tokenizer.eos_token_id)
             stats.merge(res.stats())
         assert reports[name]["tau"] == stats.tau and reports[name]["reached"] == list(stats.reached), name
-    assert reports["domino"]["reached"] != reports["backbone"]["reached"], reports
+    assert reports["correction"]["reached"] != reports["backbone"]["reached"], reports
+    assert result["paired"]["correction"]["diff"][-1] == pytest.approx(reports["correction"]["tau"] - reports["backbone"]["tau"])
 
 
 # ---------------------------------------------------------------------------- export (SpecForge / SGLang)

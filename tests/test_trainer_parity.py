@@ -42,19 +42,6 @@ def test_peer_trained_checkpoint_imports_and_decodes_greedy_equal(setup, system)
     assert all(p["num_steps"] >= 1 and len(p["reached"]) == 3 for p in report["prompts"])
 
 
-def test_pooled_and_paired_statistics():
-    def rep(taus):  # one verify step per prompt, k = 2: reached = [accepted >= 1, accepted >= 2]
-        return {"prompts": [{"id": str(i), "tau": 1 + a, "num_steps": 1, "reached": [int(a >= 1), int(a >= 2)], "matched": True}
-                            for i, a in enumerate(taus)]}
-
-    stats = parity.bootstrap({"draftlab": rep([0, 1, 2, 1]), "other": rep([1, 1, 2, 2])}, k=2)
-    assert stats["draftlab"]["alpha"] == [0.75, 1 / 3] and stats["draftlab"]["tau"] == 2.0
-    assert stats["other"]["diff"][2] == pytest.approx(0.5) and (stats["other"]["better"], stats["other"]["worse"]) == (2, 0)
-    assert stats["draftlab"]["diff_se"][2] == 0.0 and stats["other"]["se"][2] > 0
-    with pytest.raises(parity.DraftlabError, match="other prompts"):
-        parity.bootstrap({"draftlab": rep([0, 1]), "other": rep([0, 1, 2])}, k=2)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--systems", "speculators"], "draftlab is the arm"),
     (["--systems", "draftlab,medusa"], "unknown ['medusa']"),
