@@ -13,8 +13,9 @@ Then, as simulations over those rollouts (``inference.das_sim``; replay is exact
 distribution for point-mass chains), all of an epoch's rollouts decoding together in lockstep,
 each drafter keeping its own history across epochs:
 
-* τ per epoch: per-request suffix trie (no history), DAS per-problem tries with each window of
-  ``--windows`` epochs, and one global trie with the largest window;
+* τ per epoch, ± one standard error with problems as the units: per-request suffix trie (no
+  history), DAS per-problem tries with each window of ``--windows`` epochs, and one global trie
+  with the largest window;
 * makespan per epoch: the decoder's forward cost fitted as ``c_base + c_tok * n_tokens``
   (``inference.das_budget.measure_costs``, its MRE printed) and the batch's simulated makespan
   without speculation, with every row drafting up to k, and with DAS's budget (short rows 0,
@@ -73,6 +74,10 @@ def parse_args(argv):
     return args
 
 
+def _pm(x: float, se: float | None) -> str:
+    return f"{x:.2f}" if se is None else f"{x:.2f} ± {se:.2f}"
+
+
 def sample_epoch(target, prompts, samples: int, max_new_tokens: int, epoch: int) -> list[tuple[list[int], list[int]]]:
     """[(prompt, response)] of ``samples`` plain rollouts per prompt at temperature 1."""
     from draftlab.inference.decoder import generate_plain_batch
@@ -90,7 +95,7 @@ def run(argv, args) -> int:
 
     from draftlab.inference.das import DASProposer, RolloutHistory
     from draftlab.inference.das_budget import LengthBudget, measure_costs
-    from draftlab.inference.das_sim import makespan, replay_batch, tau
+    from draftlab.inference.das_sim import makespan, replay_batch, tau, tau_standard_error
     from draftlab.inference.policies import PolicySequence
     from draftlab.inference.rollout_tasks import make_problems, reward
     from draftlab.inference.rollouts import prompt_of
@@ -146,8 +151,9 @@ def run(argv, args) -> int:
         budgeted[0].begin_epoch(epoch)
         with_budget = replay_batch(budgeted[1], rows, k, budgeted[0])
         mean_len = sum(len(r) for _, r in rows) / len(rows)
+        problem_of = [i // args.samples for i in range(len(rows))]  # the interval's units: a problem's samples share its trie
         tau_lines.append(f"| {epoch} | {policies.entries[epoch]} | {sum(rewards) / len(rewards):.2f} | {mean_len:.1f} | "
-                         + " | ".join(f"{tau(t):.2f}" for t in traces.values()) + " |")
+                         + " | ".join(_pm(tau(t), tau_standard_error(t, problem_of)) for t in traces.values()) + " |")
         none = makespan([[(0, 0)] * (len(r) - 1) for _, r in rows], costs)
         uniform = makespan(traces[f"DAS per-problem W={widest}"], costs)
         budget = makespan(with_budget, costs)
@@ -157,8 +163,9 @@ def run(argv, args) -> int:
         del target
     window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0, "wall": time.perf_counter() - t0,
               "loadavg_start": load0}
-    text = (f"τ per epoch (simulation: each drafter replayed over the epoch's plain rollouts, all decoding together; chains "
-            f"of k = {k}, min_prob {args.min_prob}):\n\n" + "\n".join(tau_lines) + "\n\n"
+    text = (f"τ per epoch ± one standard error with problems as the sampled units (simulation: each drafter replayed over "
+            f"the epoch's plain rollouts, all decoding together; chains of k = {k}, min_prob {args.min_prob}):\n\n"
+            + "\n".join(tau_lines) + "\n\n"
             f"Forward cost fitted on draftlab's decoder: c_base = {costs.c_base * 1e3:.2f} ms, c_tok = {costs.c_tok * 1e3:.3f} ms/token "
             f"(MRE {100 * costs.mre:.1f} % over {len(costs.points)} shapes).\n\n"
             f"Makespan of each epoch's batch (simulation fed by the fitted costs; DAS per-problem W={widest}; budget: short 0, "

@@ -99,14 +99,15 @@ def _prompts(target, n: int, max_new_tokens: int) -> list[list[int]]:
 
 
 def _row(name: str, proposer, res, k: int, seconds: float, plain) -> dict:
-    from draftlab.inference.metrics import AcceptanceStats
+    from draftlab.inference.metrics import AcceptanceStats, tau_standard_error
 
     stats = AcceptanceStats()
     for r in res.rows:
         stats.merge(r.stats())
+    se = tau_standard_error([r.stats() for r in res.rows])
     alpha = stats.alpha + [None] * (k - len(stats.alpha))
     tokens = res.num_tokens
-    return {"name": name, "alpha": alpha[:k], "tau": stats.tau, "steps": stats.num_steps,
+    return {"name": name, "alpha": alpha[:k], "tau": stats.tau, "tau_se": se, "steps": stats.num_steps,
             "keys": proposer.kv_read_fraction, "refreshes": proposer.refreshes, "tok_s": tokens / seconds,
             "draft_s": res.draft_time / max(res.num_steps, 1), "verify_s": res.verify_time / max(res.num_steps, 1),
             "match": None if plain is None else [r.tokens for r in res.rows] == plain}
@@ -120,7 +121,7 @@ def _table(rows: list[dict], k: int, baseline) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
     for r in rows:
-        cells = [r["name"], *map(fmt, r["alpha"]), f"{r['tau']:.2f}", "–" if r["keys"] is None else f"{100 * r['keys']:.1f}%",
+        cells = [r["name"], *map(fmt, r["alpha"]), f"{r['tau']:.2f}" + ("" if r["tau_se"] is None else f" ± {r['tau_se']:.2f}"), "–" if r["keys"] is None else f"{100 * r['keys']:.1f}%",
                  str(r["refreshes"]), f"{r['draft_s']:.3f}", f"{r['verify_s']:.3f}", f"{r['tok_s']:.2f}"]
         if baseline is not None:
             cells.append("yes" if r["match"] else "NO")
@@ -171,6 +172,7 @@ def run(argv, args) -> int:
     text = (f"{len(prompts)} prompt(s) of {lengths} tokens (the longest held-out ShareGPT), {args.max_new_tokens} new tokens "
             f"each, greedy, eos ignored; chains of {args.k}; fraction {args.fraction}; SmolLM2-135M-Instruct fp32, {cpu_name()}, "
             f"{torch.get_num_threads()} thread(s).\n\n{_table(rows, args.k, plain)}\n\n"
+            f"τ ± one standard error with prompts as the sampled units (two or more prompts). "
             f"keys read: past keys a draft step attended per layer and KV head, over a full-attention step's, pooled "
             f"over rows and draft steps; the first selection of sparsespec comes from the first verify (the drafts before "
             f"it attend to every key). {load_note(window)}.\n")

@@ -75,3 +75,16 @@ def tau(traces: list[list[tuple[int, int]]]) -> float:
     """Tokens per forward over every step of ``traces`` (1.0 without steps)."""
     steps = [s for t in traces for s in t]
     return 1.0 + sum(a for _, a in steps) / len(steps) if steps else 1.0
+
+
+def tau_standard_error(traces: list[list[tuple[int, int]]], groups: list) -> float | None:
+    """One standard error of :func:`tau` with ``groups`` (a label per trace: its problem) as the
+    sampled units: a problem's samples share its trie and its text, so they are not independent
+    (:func:`~draftlab.inference.metrics.tau_standard_error`); None with fewer than 2 groups."""
+    from draftlab.inference.metrics import acceptance_stats, tau_standard_error as pooled_se
+
+    by_group: dict = {}
+    for trace, g in zip(traces, groups, strict=True):
+        by_group.setdefault(g, []).extend(trace)
+    stats = [acceptance_stats([a for _, a in t], [d for d, _ in t]) for t in by_group.values() if t]
+    return pooled_se(stats)

@@ -18,7 +18,7 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.das import DASProposer, PrefixRouter, RolloutHistory
 from draftlab.inference.das_budget import LengthBudget, fit_costs, measure_costs
-from draftlab.inference.das_sim import makespan, replay_batch, tau
+from draftlab.inference.das_sim import makespan, replay_batch, tau, tau_standard_error
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.rollout_stats import compare, interval
 from draftlab.inference.rollout_tasks import TASKS, make_problems, parse_tasks, reward
@@ -191,6 +191,19 @@ def test_cost_fit(tiny_llama):
     measured = measure_costs(tiny_llama, shapes=((1, 1), (1, 8), (4, 8)), context=16, repeats=2)
     assert [n for n, _ in measured.points] == [1, 8, 32] and all(t > 0 for _, t in measured.points)
     assert measured.forward(32) > 0 and math.isfinite(measured.mre)
+
+
+def test_tau_interval_takes_problems_as_units():
+    """A problem's samples pool into one unit: equal problems give no spread, however their
+    samples differ; unequal ones do; one problem has no interval."""
+    a, b = [(4, 0), (4, 4)], [(4, 2), (4, 2)]  # two samples' steps: τ 3 each pooled
+    assert tau([a, b]) == 3.0
+    assert tau_standard_error([a, b, b, a], [0, 0, 1, 1]) == pytest.approx(0.0)
+    assert tau_standard_error([a, a, b, b], [0, 0, 1, 1]) == pytest.approx(0.0)  # each problem's τ is 3
+    low = [(4, 0), (4, 0)]
+    se = tau_standard_error([low, low, b, b], [0, 0, 1, 1])
+    assert se is not None and se > 0.5  # problems at τ 1 and 3
+    assert tau_standard_error([low, b], [0, 0]) is None
 
 
 def test_budget_leaves_short_requests_unspeculated(tiny_llama, prompts, alone):
