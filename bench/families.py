@@ -1,7 +1,8 @@
 """Drafter families at about equal training time: acceptance curves and speculative decoding per run.
 
     python -m bench.families RUN_DIR [RUN_DIR ...] [--num-prompts 8] [--max-new-tokens 64]
-                             [--static-tree JSON] [--threads N] [--plot PATH.png] [--no-append] [--quick]
+                             [--static-tree JSON] [--same-tree] [--threads N] [--plot PATH.png] [--no-append]
+                             [--quick]
 
 Each RUN_DIR is the ``output_dir`` of a finished training run (e.g. runs/smollm2-135m-eagle3 and
 runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
@@ -25,7 +26,8 @@ runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
      skipped with a note when the questions are not found), for two shapes: the recipe's chain
      (``eval.k``; a block of ``eval.k`` for block drafters) and a tree: the recipe's
      ``eval.tree`` dynamic tree where the family drafts one, else a static tree from
-     ``--static-tree``, else none.
+     ``--static-tree``, else none; ``--same-tree``: ``--static-tree`` for every family that
+     drafts static trees (Hydra++ against Medusa at the same tree).
 
 Output: one Markdown table (rows: run x prompt set x shape), the acceptance-curve points, and,
 unless ``--no-append`` or ``--quick``, this benchmark's section of BENCHMARKS.md rewritten with the
@@ -170,13 +172,14 @@ def agreement(r: dict, target, drafter, samples: list) -> dict:
     return out
 
 
-def shapes_for(r: dict, proposer, static_tree) -> list[tuple[str, object | None, str | None]]:
-    """(name, shape or None, why skipped) for the run's chain (a block for block drafters) and its tree."""
+def shapes_for(r: dict, proposer, static_tree, same_tree: bool = False) -> list[tuple[str, object | None, str | None]]:
+    """(name, shape or None, why skipped) for the run's chain (a block for block drafters) and its
+    tree (``same_tree``: the static tree wherever the family drafts one)."""
     from draftlab.inference.shapes import Block, Chain, DynamicTree
 
     e = r["recipe"].eval
     out = [(f"chain k={e.k}", Chain(e.k), None) if "chain" in proposer.shapes else (f"block k={e.k}", Block(e.k), None)]
-    if "dynamic_tree" in proposer.shapes:
+    if "dynamic_tree" in proposer.shapes and not (same_tree and "static_tree" in proposer.shapes):
         t = e.tree
         out.append((f"tree d{t.depth}/k{t.top_k}/n{t.total_tokens}", DynamicTree(t.depth, t.top_k, t.total_tokens), None))
     elif "static_tree" in proposer.shapes:
@@ -211,7 +214,7 @@ def measure_run(r: dict, args, static_tree, spec_bench_note: str | None) -> list
     print(f"\n== {label}: {r['ckpt']} (step {r['step']}, {r['train_min']:.1f} training min)", flush=True)
     drafter, _ = load_drafter(r["ckpt"], target)
     proposer = load_proposer(r["ckpt"], target)
-    shapes = shapes_for(r, proposer, static_tree)
+    shapes = shapes_for(r, proposer, static_tree, args.same_tree)
     prompt_sets = {"sharegpt-heldout": load_prompts("sharegpt-heldout", target.tokenizer, args.num_prompts, data_spec=r["recipe"].data)}
     if spec_bench_note is None:
         prompt_sets["spec-bench"] = load_prompts("spec-bench", target.tokenizer, args.num_prompts)
@@ -319,6 +322,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--static-tree", default=DEFAULT_STATIC_TREE,
                    help="tree row of families without a dynamic tree: JSON paths of candidate ranks, or a .json file holding them")
+    p.add_argument("--same-tree", action="store_true",
+                   help="decode --static-tree for every family that drafts static trees, not their dynamic trees")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--plot", default=None, help="PNG of alpha_1 vs training minutes (default when writing BENCHMARKS.md: bench/figures/families-<time>.png)")
     p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")

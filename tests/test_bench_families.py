@@ -40,6 +40,24 @@ def test_one_line_errors(tmp_path, capsys, what, message):
     assert err.startswith("bench.families: error:") and message in err and "\n" not in err
 
 
+def test_same_tree_gives_static_tree_families_the_static_tree():
+    """Hydra++ drafts dynamic and static trees, Medusa static ones: --same-tree decodes both at
+    --static-tree; without it Hydra++ decodes its recipe's dynamic tree."""
+    from types import SimpleNamespace
+
+    from draftlab.recipe import load_recipe
+
+    r = {"recipe": load_recipe(families.REPO / "recipes" / "smollm2-135m-hydra.yaml"), "algorithm": "hydra"}
+    tree = families.static_tree_arg(families.DEFAULT_STATIC_TREE)
+    hydra = SimpleNamespace(shapes=frozenset({"chain", "static_tree", "dynamic_tree"}))
+    medusa = SimpleNamespace(shapes=frozenset({"chain", "static_tree"}))
+    eagle_chain_only = SimpleNamespace(shapes=frozenset({"chain", "dynamic_tree"}))
+    names = lambda p, same: [n for n, _, _ in families.shapes_for(r, p, tree, same)]  # noqa: E731
+    assert names(hydra, False)[1].startswith("tree d") and names(hydra, True)[1] == "static tree [[0],[1],[0,0],[0,0,0]]"
+    assert names(medusa, False) == names(medusa, True) == ["chain k=4", "static tree [[0],[1],[0,0],[0,0,0]]"]
+    assert names(eagle_chain_only, True)[1].startswith("tree d")  # no static tree to share: its own
+
+
 @pytest.mark.parametrize("bench, prog", [(batch_bench, "bench.batch"), (kernels_bench, "bench.kernels")])
 def test_bad_draft_lengths_are_one_line_errors(capsys, bench, prog):
     """A bad list flag is a one-line error (raised while parsing, before any model loads)."""
