@@ -258,20 +258,21 @@ def fmt_list(xs) -> str:
 def results_table(rows: list[dict]) -> str:
     lines = [
         "| family (run) | step | training min | prompts | shape | top-1 per position | top-5 per position | τ ± 1 s.e. | α_j "
-        "| speedup vs plain | greedy match |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| draft ms / step | speedup vs plain | greedy match |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         r, a = row["run"], row["agree"]
         head = (f"| {row['label']} | {r['step']} | {fmt(r['train_min'], 1)} | {row['data']} | {row['shape']} | "
                 f"{fmt_list(a['top1'])} | {fmt_list(a['top5'])} |")
         if "skipped" in row:
-            lines.append(f"{head} skipped: {row['skipped']} | | | |")
+            lines.append(f"{head} skipped: {row['skipped']} | | | | |")
             continue
         rep = row["report"]
         n = rep["num_prompts"]
         tau = fmt(rep["tau"]) + (f" ± {fmt(rep['tau_se'])}" if rep.get("tau_se") is not None else "")
-        lines.append(f"{head} {tau} | {fmt_list(rep['alpha'])} | {fmt(rep['speedup'], 2, '×')} | "
+        draft_ms = 1e3 * rep["draft_time_s"] / rep["num_steps"] if rep.get("num_steps") else None
+        lines.append(f"{head} {tau} | {fmt_list(rep['alpha'])} | {fmt(draft_ms, 1)} | {fmt(rep['speedup'], 2, '×')} | "
                      f"{rep['greedy_match'] or DASH} |" + ("" if n else " (no prompts)"))
     return "\n".join(lines)
 
@@ -387,7 +388,9 @@ def run(argv, args) -> int:
         "excluded). Top-1 / top-5 per position: teacher-forced agreement with the target's greedy token on the run's "
         "held-out samples (EAGLE: per TTT step, Medusa: per head), from the family's own training metrics; \"–\": "
         "the family does not report it. τ pooled over all verify steps, ± one standard error with prompts as the "
-        "sampled units (a difference of two rows: √(s.e.₁² + s.e.₂²), an upper bound, both decode the same prompts). τ, α_j, speedup (speculative / plain tok/s, paired per prompt in the same "
+        "sampled units (a difference of two rows: √(s.e.₁² + s.e.₂²), an upper bound, both decode the same prompts). "
+        "Draft ms / step: the drafter's time per verify step (all of the shape's drafts, on the host loop). "
+        "τ, α_j, speedup (speculative / plain tok/s, paired per prompt in the same "
         "evaluation) and greedy match: greedy speculative decoding, "
         f"{args.num_prompts} prompts × {args.max_new_tokens} new tokens per set, measured now."
     )

@@ -40,6 +40,18 @@ def test_one_line_errors(tmp_path, capsys, what, message):
     assert err.startswith("bench.families: error:") and message in err and "\n" not in err
 
 
+def test_results_table_gives_the_draft_time_per_verify_step():
+    run = {"step": 4, "train_min": 2.5}
+    agree = {"top1": [0.5], "top5": None}
+    rep = {"num_prompts": 2, "tau": 1.5, "tau_se": 0.1, "alpha": [0.5], "speedup": 0.9, "greedy_match": "2/2",
+           "draft_time_s": 0.3, "num_steps": 20}
+    rows = [{"label": "eagle3 a", "run": run, "agree": agree, "data": "sharegpt-heldout", "shape": "chain k=1", "report": rep},
+            {"label": "eagle3 a", "run": run, "agree": agree, "data": "spec-bench", "shape": "chain k=1", "skipped": "not found"}]
+    lines = families.results_table(rows).splitlines()
+    assert len({line.count("|") for line in lines}) == 1  # every row has the header's columns
+    assert "| 1.50 ± 0.10 | 0.50 | 15.0 | 0.90× | 2/2 |" in lines[2]
+
+
 def test_same_tree_gives_static_tree_families_the_static_tree():
     """Hydra++ drafts dynamic and static trees, Medusa static ones: --same-tree decodes both at
     --static-tree; without it Hydra++ decodes its recipe's dynamic tree."""
