@@ -132,8 +132,7 @@ class DiffusionDrafter(Drafter):
         self.norm = RMSNorm(H, shape.rms_norm_eps)
         # full vocabulary: the target's lm_head (shared, frozen); reduced: an own, trained one
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False) if draft_vocab_size < vocab_size else None
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.add_vocab_maps(vocab_size, draft_vocab_size)
         self.rotary = Rotary(shape)
         self.num_target_layers = None  # set by build/from_meta: hidden[L] gives the training targets
 
@@ -168,7 +167,7 @@ class DiffusionDrafter(Drafter):
 
     @torch.no_grad()
     def init_weights(self, cfg: DiffusionConfig, target, samples=None) -> None:
-        fill_measured_buffers(self, target, self.target_layers, samples, cfg.normalize_fc_input, self.vocab_size, self.draft_vocab_size)
+        fill_measured_buffers(self, target, self.target_layers, samples, cfg.normalize_fc_input)
         if cfg.init_from_target:
             self.init_from_target(target)
         else:  # identity layers (zero output projections): the block's embeddings read out
@@ -176,7 +175,7 @@ class DiffusionDrafter(Drafter):
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
         if self.lm_head is not None:  # start as the target's own read-out of the draft vocabulary
-            self.lm_head.weight.copy_(target.lm_head.weight[self.t2d.to(target.device)].float())
+            self.lm_head.weight.copy_(self.draft_rows(target.lm_head.weight))
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -272,15 +271,6 @@ class DiffusionDrafter(Drafter):
     def readout(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits of final-normed states [..., H]."""
         return self.lm_head(states) if self.lm_head is not None else self._target_lm_head(states)
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids of target ids; -1 for tokens outside the draft vocabulary (and for -1)."""
-        draft = self.t2d.long().cumsum(0) - 1
-        safe = target_ids.clamp_min(0)
-        return torch.where((target_ids >= 0) & self.t2d[safe], draft[safe], -1)
 
     def block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
         """[..., gamma] block inputs ``[anchor, MASK, ...]`` for anchor tokens [...]."""

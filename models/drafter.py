@@ -349,6 +349,36 @@ class Drafter(nn.Module):
     # (draftlab.train.variants.TRAINERS) instead of the shared gradient loop
     trains_weights: ClassVar[bool] = True
 
+    # ---- the draft vocabulary (data/vocab.py) of families whose ``vocab_maps`` are d2t, t2d ----
+    def add_vocab_maps(self, vocab_size: int, draft_vocab_size: int) -> None:
+        """Register ``d2t`` [V_draft] (draft id i is target id i + d2t[i]) and ``t2d`` Bool[V]
+        (the target ids kept), filled at build by :meth:`fill_vocab_maps` or by a checkpoint."""
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+
+    @torch.no_grad()
+    def fill_vocab_maps(self, samples: list[dict] | None) -> None:
+        """The draft vocabulary of the training ``samples`` (their most frequent target ids)."""
+        from draftlab.data.vocab import draft_vocab
+
+        d2t, t2d = draft_vocab(samples, self.t2d.numel(), self.d2t.numel())
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The draft vocabulary's rows of a target-vocabulary ``weight`` [V, ...] (the target's
+        lm_head, to start a read-out from), in draft-id order, fp32."""
+        return weight[self.t2d.to(weight.device)].float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids of target ids; -1 for tokens outside the draft vocabulary (and for -1)."""
+        draft = self.t2d.long().cumsum(0) - 1
+        safe = target_ids.clamp_min(0)
+        return torch.where((target_ids >= 0) & self.t2d[safe], draft[safe], -1)
+
     def attach(self, target) -> "Drafter":
         """Share the target's frozen lm_head (and embedding, if ``shares_embedding``) by reference,
         not as registered submodules, so they are neither trained, wrapped by DDP/FSDP nor

@@ -96,9 +96,6 @@ class EagleBase(Drafter):
         h = self.stack(self.embed(tokens), feats, positions, attend_for_layer, depth)
         return h, self.head(h) if logits else None
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
-
     def head(self, h):
         raise NotImplementedError
 
@@ -207,8 +204,7 @@ class Eagle3Drafter(EagleBase):
         self.fc = nn.Linear(len(aux_layers) * H, H, bias=False)
         self.norm = RMSNorm(H, shape.rms_norm_eps)
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+        self.add_vocab_maps(vocab_size, draft_vocab_size)
 
     # ---- construction -------------------------------------------------------
     @staticmethod
@@ -241,11 +237,11 @@ class Eagle3Drafter(EagleBase):
         }
 
     def init_weights(self, cfg: Eagle3Config, target, samples=None) -> None:
-        fill_measured_buffers(self, target, self.aux_layers, samples, cfg.normalize_fc_input, self.vocab_size, self.lm_head.out_features)
+        fill_measured_buffers(self, target, self.aux_layers, samples, cfg.normalize_fc_input)
         if cfg.init_lm_head_from_target:
             # Start as the target's own read-out: its final-norm gain and its lm_head rows.
             with torch.no_grad():
-                self.lm_head.weight.copy_(target.lm_head.weight[self.t2d.to(target.device)].float())
+                self.lm_head.weight.copy_(self.draft_rows(target.lm_head.weight))
                 self.norm.weight.copy_(target.final_norm.weight.float())
         self.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)  # the optimizer takes what requires grad
 
@@ -313,9 +309,6 @@ class Eagle3Drafter(EagleBase):
 
     def head(self, h):
         return self.lm_head(h if self.norm_output else self.norm(h))
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
 
     def derived_targets(self, hidden, batch):
         """``target_argmax`` [B, T]: the target's full-vocab greedy token at every position the
@@ -421,6 +414,9 @@ class Eagle1Drafter(EagleBase):
         H = shape.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.num_target_layers = None
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids  # the target's whole vocabulary: no maps
 
     @classmethod
     def default_capture_layers(cls, num_target_layers: int) -> list[int]:

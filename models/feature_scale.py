@@ -30,14 +30,10 @@ def feature_inverse_rms(target, layers: list[int], samples, max_samples: int = 1
 
 
 @torch.no_grad()
-def fill_measured_buffers(m, target, layers: list[int], samples, normalize: bool, vocab_size: int, draft_vocab_size: int) -> None:
+def fill_measured_buffers(m, target, layers: list[int], samples, normalize: bool) -> None:
     """What a fused-feature drafter (EAGLE-3, diffusion) measures on training data at build:
     ``fc_input_scale`` (the fused features' 1/RMS, when ``normalize``) and the draft vocabulary's
     ``d2t`` / ``t2d`` maps."""
-    from draftlab.data.vocab import draft_vocab
-
     if normalize:
         m.fc_input_scale.copy_(feature_inverse_rms(target, layers, samples))
-    d2t, t2d = draft_vocab(samples, vocab_size, draft_vocab_size)
-    m.d2t.copy_(d2t)
-    m.t2d.copy_(t2d)
+    m.fill_vocab_maps(samples)

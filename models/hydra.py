@@ -126,8 +126,7 @@ class HydraDrafter(Drafter):
         self.first = nn.ModuleList([GroundedBlock((i + 2) * H, H) for i in range(num_heads)])
         self.blocks = nn.ModuleList([ResidualBlocks(H, num_layers - 1) for _ in range(num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(H, draft_vocab_size, bias=False) for _ in range(num_heads)])
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.add_vocab_maps(vocab_size, draft_vocab_size)
         self.num_target_layers = None  # set by build/from_meta: hidden[L] is what the prefix reads
 
     @property
@@ -157,14 +156,10 @@ class HydraDrafter(Drafter):
         }
 
     def init_weights(self, cfg: HydraConfig, target, samples=None) -> None:
-        from draftlab.data.vocab import draft_vocab
-
-        d2t, t2d = draft_vocab(samples, self.vocab_size, self.draft_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        self.fill_vocab_maps(samples)
         H = self.hidden_size
         with torch.no_grad():  # every head starts as the target's own read-out of the state it is given
-            rows = target.lm_head.weight[self.t2d.to(target.device)].float()
+            rows = self.draft_rows(target.lm_head.weight)
             for first, head in zip(self.first, self.lm_heads):
                 nn.init.zeros_(first.linear.weight)
                 nn.init.zeros_(first.linear.bias)
@@ -214,10 +209,8 @@ class HydraDrafter(Drafter):
         x = x[..., : (i + 2) * self.hidden_size]
         return self.lm_heads[i](self.blocks[i](self.first[i](x)))
 
-    # Medusa's draft vocabulary, training targets and per-head loss: the same alignment (head i
-    # at t imitates the target at t+1+i), only the heads' inputs differ
-    to_target_ids = MedusaDrafter.to_target_ids
-    to_draft_ids = MedusaDrafter.to_draft_ids
+    # Medusa's training targets and per-head loss: the same alignment (head i at t imitates the
+    # target at t+1+i), only the heads' inputs differ
     derived_targets = MedusaDrafter.derived_targets
     target_distribution = MedusaDrafter.target_distribution
     heads_loss = MedusaDrafter.heads_loss

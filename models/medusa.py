@@ -105,8 +105,7 @@ class MedusaDrafter(Drafter):
         self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
         self.blocks = nn.ModuleList([ResidualBlocks(hidden_size, num_layers) for _ in range(num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(hidden_size, draft_vocab_size, bias=False) for _ in range(num_heads)])
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.add_vocab_maps(vocab_size, draft_vocab_size)
         self.num_target_layers = None  # set by build/from_meta: hidden[L] is what the heads read
 
     @property
@@ -135,13 +134,9 @@ class MedusaDrafter(Drafter):
         }
 
     def init_weights(self, cfg: MedusaConfig, target, samples=None) -> None:
-        from draftlab.data.vocab import draft_vocab
-
-        d2t, t2d = draft_vocab(samples, self.vocab_size, self.draft_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        self.fill_vocab_maps(samples)
         with torch.no_grad():  # every head starts as the target's own read-out of the draft vocab
-            rows = target.lm_head.weight[self.t2d.to(target.device)].float()
+            rows = self.draft_rows(target.lm_head.weight)
             for head in self.lm_heads:
                 head.weight.copy_(rows)
 
@@ -169,15 +164,6 @@ class MedusaDrafter(Drafter):
     def head_logits(self, h: torch.Tensor, i: int) -> torch.Tensor:
         """Head ``i``'s draft-vocab logits [..., V_draft] for final hidden states h [..., H]."""
         return self.lm_heads[i](self.blocks[i](h.to(self.lm_heads[i].weight.dtype)))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids of target ids (draft ids are kept target ids in ascending order);
-        -1 for tokens outside the draft vocabulary."""
-        draft = self.t2d.long().cumsum(0) - 1
-        return torch.where(self.t2d[target_ids], draft[target_ids], -1)
 
     # ---- training targets ---------------------------------------------------------------
     def derived_targets(self, hidden, batch):

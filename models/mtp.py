@@ -80,8 +80,7 @@ class MtpDrafter(EagleBase):
         self.final_layernorm = RMSNorm(H, eps)
         self.draft_vocab_size = draft_vocab_size
         self.num_target_layers = None  # set by from_meta; hidden[L] is the module's first input state
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.add_vocab_maps(vocab_size, draft_vocab_size)
         self._rows, self._rows_key = None, None  # the target's lm_head rows of the draft vocabulary, cached
 
     # ---- construction -------------------------------------------------------------------
@@ -101,12 +100,8 @@ class MtpDrafter(EagleBase):
         }
 
     def init_weights(self, cfg: MtpConfig, target, samples=None) -> None:
-        from draftlab.data.vocab import draft_vocab
-
-        d2t, t2d = draft_vocab(samples, self.vocab_size, self.draft_vocab_size)
+        self.fill_vocab_maps(samples)
         with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
             # the shared lm_head was trained on states with the target's final-norm gain: start there
             self.final_layernorm.weight.copy_(target.final_norm.weight.float())
 
@@ -160,9 +155,6 @@ class MtpDrafter(EagleBase):
         if key != self._rows_key:
             self._rows, self._rows_key = W.detach()[self.t2d].to(dtype), key
         return self._rows
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
 
     def derived_targets(self, hidden, batch):
         """``target_argmax`` [B, T]: the target's full-vocab greedy token where the loss reads it
