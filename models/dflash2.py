@@ -246,19 +246,13 @@ class DFlash2Drafter(DiffusionDrafter):
 
     # ---- training ------------------------------------------------------------------------
     def training_loss(self, batch, hidden, cfg: DFlash2Loss):
-        if "target_argmax" not in batch:
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-        anchors, real = self.sample_anchors(batch["loss_mask"].bool(), attn, cfg.anchors)  # [B, A]
-        # contiguous: a strided 4-D input sends the target's lm_head down a batched-matmul path ~5x slower
-        states = self.anchored_states(ids, attn, hidden, anchors)[:, :, 1:].contiguous()  # [B, A, J, H]
+        batch, anchors, states, targets = self.training_blocks(batch, hidden, cfg)
         logits = self.readout(states)
-        targets = self.block_targets(batch, anchors, real)
         loss, metrics, _ = self.block_objective(logits, targets, hidden, cfg)
         # what is served is the selector's walk: ``acc`` / ``accepted`` are its (reports set them beside
         # the served alpha_j), the unary top-1's move to backbone_*
         metrics["backbone_acc"], metrics["backbone_accepted"] = metrics.pop("acc"), metrics.pop("accepted")
-        sel, more = self.selector_objective(states, logits, ids.gather(1, anchors), targets, cfg)
+        sel, more = self.selector_objective(states, logits, batch["input_ids"].gather(1, anchors), targets, cfg)
         metrics.update(more)
         return loss + cfg.selector_loss_alpha * sel, metrics
 

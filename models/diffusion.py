@@ -316,13 +316,28 @@ class DiffusionDrafter(Drafter):
         return self.block_states(block.reshape(B, A * G), pos.reshape(B, A * G), kv, mask).view(B, A, G, -1)
 
     def training_loss(self, batch, hidden, cfg: DiffusionLoss):
-        if "target_argmax" not in batch:
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        attn = batch["attention_mask"].bool()
-        anchors, real = self.sample_anchors(batch["loss_mask"].bool(), attn, cfg.anchors)  # [B, A]
-        logits = self.anchored_logits(batch["input_ids"], attn, hidden, anchors)[:, :, 1:]
-        loss, metrics, _ = self.block_objective(logits, self.block_targets(batch, anchors, real), hidden, cfg)
+        batch, _, states, targets = self.training_blocks(batch, hidden, cfg)
+        loss, metrics, _ = self.block_objective(self.readout(states), targets, hidden, cfg)
         return loss, metrics
+
+    def training_blocks(self, batch, hidden, cfg: DiffusionLoss):
+        """A step's ``cfg.anchors`` random blocks per row: (the batch with the target's greedy
+        tokens, anchors [B, A], the masked slots' states [B, A, J, H], :meth:`block_targets`)."""
+        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
+            batch = {**batch, **self.derived_targets(hidden, batch)}
+        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        anchors, real = self.sample_anchors(batch["loss_mask"].bool(), attn, cfg.anchors)  # [B, A]
+        # contiguous: a strided 4-D input sends the target's lm_head down a batched-matmul path ~5x slower
+        states = self.anchored_states(ids, attn, hidden, anchors)[:, :, 1:].contiguous()
+        return batch, anchors, states, self.block_targets(batch, anchors, real)
+
+    @staticmethod
+    def held_tokens(ids, anchors, targets: dict, kind: str) -> torch.Tensor:
+        """[B, A, J] the token before each slot once the block is accepted up to it (teacher
+        forcing): the anchor, then the target's greedy tokens (the data's where the target's was
+        not taken, or with ``kind`` "data" targets)."""
+        held = targets["data"] if kind == "data" else torch.where(targets["greedy"] >= 0, targets["greedy"], targets["data"])
+        return torch.cat([ids.gather(1, anchors)[..., None], held[..., :-1]], -1)
 
     def block_targets(self, batch, anchors, real) -> dict[str, torch.Tensor]:
         """What the masked slots of the blocks at ``anchors`` [B, A] (``real``: not padding)

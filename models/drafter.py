@@ -373,6 +373,22 @@ class Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def target_draft_probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's probabilities over the draft vocabulary [N, V_draft] for its final hidden
+        states [N, H] (a softmax over the kept rows only when the vocabulary is reduced)."""
+        reduced = self.d2t.numel() < self.t2d.numel()
+        return self._target_lm_head.probs(final_hidden, self.t2d if reduced else None)
+
+    def next_token_targets(self, hidden, batch) -> dict[str, torch.Tensor]:
+        """:meth:`derived_targets` of the families that imitate the target's next token from its
+        last layer: ``target_argmax`` [B, T], its full-vocab greedy token at every position s whose
+        next token counts (``loss_mask[s + 1]``; -1 elsewhere). A full-vocab lm_head pass (6x one
+        over an 8,192-token draft vocabulary for SmolLM2), the same every epoch: cached."""
+        from draftlab.losses.eagle import shift_left
+
+        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
+        return {"target_argmax": self._target_lm_head.greedy(hidden[self.num_target_layers], need)}
+
     def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids of target ids; -1 for tokens outside the draft vocabulary (and for -1)."""
         draft = self.t2d.long().cumsum(0) - 1

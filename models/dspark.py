@@ -134,16 +134,8 @@ class DSparkDrafter(DiffusionDrafter):
 
     # ---- training ------------------------------------------------------------------------
     def training_loss(self, batch, hidden, cfg: DSparkLoss):
-        if "target_argmax" not in batch:
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-        anchors, real = self.sample_anchors(batch["loss_mask"].bool(), attn, cfg.anchors)  # [B, A]
-        states = self.anchored_states(ids, attn, hidden, anchors)[:, :, 1:]  # [B, A, J, H]
-        targets = self.block_targets(batch, anchors, real)
-        # the token each slot holds once accepted: the target's greedy one (the data's where the
-        # target's was not taken, or with data targets)
-        held = targets["data"] if cfg.targets == "data" else torch.where(targets["greedy"] >= 0, targets["greedy"], targets["data"])
-        prev = torch.cat([ids.gather(1, anchors)[..., None], held[..., :-1]], -1)
+        batch, anchors, states, targets = self.training_blocks(batch, hidden, cfg)
+        prev = self.held_tokens(batch["input_ids"], anchors, targets, cfg.targets)  # the Markov head reads them teacher-forced
         logits, conf = self.slot_logits(states, prev)
         loss, metrics, (log_accept, hit) = self.block_objective(logits, targets, hidden, cfg)
 

@@ -96,6 +96,16 @@ class EagleBase(Drafter):
         h = self.stack(self.embed(tokens), feats, positions, attend_for_layer, depth)
         return h, self.head(h) if logits else None
 
+    def compact_targets(self, batch, hidden):
+        """What a loss compares the drafts with (EAGLE-3's and the MTP module's steps), at the
+        indices s it reads (``need``: those with loss_mask[s+1]) only: (``need`` [B, T], the target's greedy token [n], whether it is in
+        the draft vocabulary [n], the target's draft-vocab probabilities [n, V_draft])."""
+        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
+        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
+            batch = {**batch, **self.derived_targets(hidden, batch)}
+        target_argmax = batch["target_argmax"][need]
+        return need, target_argmax, self.t2d[target_argmax], self.target_draft_probs(hidden[self.num_target_layers][need])
+
     def head(self, h):
         raise NotImplementedError
 
@@ -310,12 +320,7 @@ class Eagle3Drafter(EagleBase):
     def head(self, h):
         return self.lm_head(h if self.norm_output else self.norm(h))
 
-    def derived_targets(self, hidden, batch):
-        """``target_argmax`` [B, T]: the target's full-vocab greedy token at every position the
-        loss reads (-1 elsewhere). A full-vocab lm_head pass costs 6x one over the draft vocab
-        (49152 vs 8192 rows for SmolLM2) and is the same every epoch, so the trainer caches it."""
-        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
-        return {"target_argmax": self._target_lm_head.greedy(hidden[self.num_target_layers], need)}
+    derived_targets = Drafter.next_token_targets
 
     # ---- training ----------------------------------------------------------------------
     def unroll(self, ids, hidden, steps: int, detach: bool = False):
@@ -347,16 +352,6 @@ class Eagle3Drafter(EagleBase):
             h = self.stack(self.embed(tokens), feats, positions + i, attend_for_layer, depth=i)
             yield i, h
             tokens = shift_left(tokens, 1)
-
-    def compact_targets(self, batch, hidden):
-        """What a loss compares the drafts with, at the indices s it reads (``need``: those with
-        loss_mask[s+1]) only: (``need`` [B, T], the target's greedy token [n], whether it is in
-        the draft vocabulary [n], the target's draft-vocab probabilities [n, V_draft])."""
-        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
-        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        target_argmax = batch["target_argmax"][need]
-        return need, target_argmax, self.t2d[target_argmax], self._target_lm_head.probs(hidden[self.num_target_layers][need], self.t2d)
 
     def training_loss(self, batch, hidden, cfg: Eagle3Loss):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()

@@ -211,8 +211,7 @@ class HydraDrafter(Drafter):
 
     # Medusa's training targets and per-head loss: the same alignment (head i at t imitates the
     # target at t+1+i), only the heads' inputs differ
-    derived_targets = MedusaDrafter.derived_targets
-    target_distribution = MedusaDrafter.target_distribution
+    derived_targets = Drafter.next_token_targets
     heads_loss = MedusaDrafter.heads_loss
 
     # ---- training ----------------------------------------------------------------------
@@ -238,6 +237,6 @@ class HydraDrafter(Drafter):
         need = shift_left(loss_mask, 1, fill=False)
         row = (need.flatten().cumsum(0) - 1).view(B, T)
         greedy = batch["target_argmax"][need]
-        probs = self.target_distribution(final[need]) if cfg.targets == "target" else None
+        probs = self.target_draft_probs(final[need]) if cfg.targets == "target" else None
         labels = self.to_draft_ids(ids) if cfg.targets == "data" else None
         return self.heads_loss(x, loss_mask, row, probs, labels, greedy, cfg)

@@ -166,18 +166,7 @@ class MedusaDrafter(Drafter):
         return self.lm_heads[i](self.blocks[i](h.to(self.lm_heads[i].weight.dtype)))
 
     # ---- training targets ---------------------------------------------------------------
-    def derived_targets(self, hidden, batch):
-        """``target_argmax`` [B, T]: the target's full-vocab greedy token at every position s
-        whose next token counts for some head (``loss_mask[s + 1]``; -1 elsewhere): what the
-        accuracies compare with. A full-vocab lm_head pass, the same every epoch: cached."""
-        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
-        return {"target_argmax": self._target_lm_head.greedy(hidden[self.num_target_layers], need)}
-
-    def target_distribution(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's probabilities over the draft vocab, [N, V_draft] for final hidden states
-        [N, H]. Recomputed every step, never cached: a distribution per position is V_draft
-        floats (a hidden state is H)."""
-        return self._target_lm_head.probs(final_hidden, self.t2d if self.draft_vocab_size < self.vocab_size else None)
+    derived_targets = Drafter.next_token_targets
 
     def training_loss(self, batch, hidden, cfg: MedusaLoss):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
@@ -190,7 +179,7 @@ class MedusaDrafter(Drafter):
         need = shift_left(loss_mask, 1, fill=False)
         row = (need.flatten().cumsum(0) - 1).view(B, T)
         greedy = batch["target_argmax"][need]
-        probs = self.target_distribution(final[need]) if cfg.targets == "target" else None
+        probs = self.target_draft_probs(final[need]) if cfg.targets == "target" else None
         labels = self.to_draft_ids(ids) if cfg.targets == "data" else None
         return self.heads_loss(final, loss_mask, row, probs, labels, greedy, cfg)
 

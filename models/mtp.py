@@ -34,7 +34,7 @@ from draftlab.limits import MAX_K
 from draftlab.losses.acceptance import AcceptanceLossFields
 from draftlab.losses.eagle import DISTRIBUTION_KINDS, eagle3_step_loss, shift_left
 from draftlab.losses.mtp import step_weights
-from draftlab.models.drafter import DRAFTERS, DraftVocabSize
+from draftlab.models.drafter import DRAFTERS, Drafter, DraftVocabSize
 from draftlab.models.eagle import KIND_DESCRIPTION, EagleBase, EagleMeta
 from draftlab.models.layers import DecoderLayer, LayerShape, RMSNorm
 
@@ -156,11 +156,7 @@ class MtpDrafter(EagleBase):
             self._rows, self._rows_key = W.detach()[self.t2d].to(dtype), key
         return self._rows
 
-    def derived_targets(self, hidden, batch):
-        """``target_argmax`` [B, T]: the target's full-vocab greedy token where the loss reads it
-        (-1 elsewhere); the same every epoch, so the trainer caches it."""
-        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
-        return {"target_argmax": self._target_lm_head.greedy(hidden[self.num_target_layers], need)}
+    derived_targets = Drafter.next_token_targets
 
     # ---- training ----------------------------------------------------------------------
     def recurse(self, ids, hidden, steps: int):
@@ -178,17 +174,6 @@ class MtpDrafter(EagleBase):
         for i in range(steps):
             h = self.stack(self.embed(shift_left(ids, 1 + i)), h, positions, causal)
             yield i, h
-
-    def compact_targets(self, batch, hidden):
-        """What the steps are compared with, at the indices s with loss_mask[s + 1] only: (``need``
-        [B, T], the target's greedy token [n], whether it is in the draft vocabulary [n], the
-        target's probabilities over the draft vocabulary [n, V_draft])."""
-        need = shift_left(batch["loss_mask"].bool(), 1, fill=False)
-        if "target_argmax" not in batch:  # not supplied (cached) by the trainer
-            batch = {**batch, **self.derived_targets(hidden, batch)}
-        target_argmax = batch["target_argmax"][need]
-        rows = self.t2d if self.draft_vocab_size < self.vocab_size else None
-        return need, target_argmax, self.t2d[target_argmax], self._target_lm_head.probs(hidden[self.num_target_layers][need], rows)
 
     def training_loss(self, batch, hidden, cfg: MtpLoss):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
