@@ -25,13 +25,11 @@ same groups), its calibrated costs, and a PNG of speedup against batch size. Unl
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.runs import checkpoint_of, main_with_errors, recipe_of, target_of
 from bench.sections import append_run
 
@@ -100,8 +98,7 @@ def run(argv, args) -> int:
     target = target_of(recipe)
     prompts = load_prompts("sharegpt-heldout", target.tokenizer, args.num_prompts, data_spec=recipe.data)
     started = datetime.now(timezone.utc)
-    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     configs = configurations(ckpt, target, args.ks)
     speculations = {label: Speculation(proposer, shape, adaptive) for label, proposer, shape, adaptive in configs}
     target = verifying_target(configs[-1][1], target)  # the drafter's verifier (Medusa-2: its merged target) for all
@@ -111,8 +108,7 @@ def run(argv, args) -> int:
         eos_token_id=target.tokenizer.eos_token_id, min_groups=args.min_groups, adaptive_groups=args.adaptive_groups,
         progress=lambda B, done, n: print(f"[batch {B}] {done}/{n} prompts", flush=True),
     )
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0,
-              "wall": time.perf_counter() - wall0, "loadavg_start": load_start}
+    window = measured.close()
 
     text = tables(results, args.batch_sizes, args.adaptive_groups)
     print(text)

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.sections import append_benchmarks
 
 from draftlab.errors import DraftlabError
@@ -558,7 +558,7 @@ def main(argv=None) -> int:
     print(f"{len(prompts)} Spec-Bench prompts ({len({p.category for p in prompts})} categories), max_new_tokens {M}, "
           f"K {args.k}, tree {vars(tree)}, {torch.get_num_threads()} threads; {uptime_start}", flush=True)
 
-    busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     base = run_baselines(target, prompts, M, eos, (args.k, args.ngram_max))
     plain = summarize_runs(base["plain"], base["plain"])
     hf = summarize_runs(base["hf"], base["plain"])
@@ -602,8 +602,7 @@ def main(argv=None) -> int:
     wb = streamed_weight_bytes(target)
     bw = copy_bandwidth(args.reps)
     kt = kernel_times(target.vocab_size, args.k, tree, args.reps)
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0,
-              "wall": time.perf_counter() - wall0, "loadavg_start": uptime_start.split("load average:")[-1].strip()}
+    window = measured.close()
 
     spec_rows = [r for r in rows if "report" in r]
     legend = ("τ = 1 + Σ a_j (verify steps, prefill excluded; HF prompt lookup has no τ, see tok/fwd); tok/fwd = new tokens / "

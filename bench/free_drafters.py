@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.runs import main_with_errors
 from bench.sections import append_run
 
@@ -127,10 +126,7 @@ def run(argv, args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.now(timezone.utc)
-    import os
-
-    load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    busy0, own0, t0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     target = Target.load("default")
     eos = target.tokenizer.eos_token_id
     sets, notes = prompt_sets(target.tokenizer, args.num_prompts, args.quick)
@@ -143,8 +139,7 @@ def run(argv, args) -> int:
             line = f"| {label} | {name} | {r['tau']:.2f} | {alpha1:.2f} | {r['speedup']:.2f}× | {r['greedy_match']} |"
             print(line, flush=True)
             lines.append(line)
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0, "wall": time.perf_counter() - t0,
-              "loadavg_start": load0}
+    window = measured.close()
     text = "\n".join(lines) + "\n"
     text += (f"\n{args.num_prompts} prompts per set × {args.max_new_tokens} new tokens, greedy, fp32, "
              f"{cpu_name()}, {torch.get_num_threads()} threads. {load_note(window)}\n")

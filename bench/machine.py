@@ -70,6 +70,19 @@ def own_cpu_seconds() -> float:
     return t.user + t.system
 
 
+class LoadWindow:
+    """The machine's load over a measurement, from when the window is made: :meth:`close` gives
+    what :func:`load_note` reads (other processes' CPU-seconds beside this run's)."""
+
+    def __init__(self):
+        self.loadavg_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        self._busy, self._own, self._t0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+
+    def close(self) -> dict:
+        return {"busy": busy_cpu_seconds() - self._busy, "own": own_cpu_seconds() - self._own,
+                "wall": time.perf_counter() - self._t0, "loadavg_start": self.loadavg_start}
+
+
 def load_note(window: dict) -> str:
     others = max(0.0, window["busy"] - window["own"])
     cores = os.cpu_count() or 1

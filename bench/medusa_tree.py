@@ -58,7 +58,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.runs import checkpoint_of, heldout_of, main_with_errors, recipe_of, target_of
 from bench.sections import append_run
 
@@ -328,11 +328,9 @@ def run(argv, args) -> int:
     c = load_checkpoint(args.checkpoint)  # checked before any model loads
 
     started = datetime.now(timezone.utc)
-    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     res = measure(c, args)
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0,
-              "wall": time.perf_counter() - wall0, "loadavg_start": load_start}
+    window = measured.close()
     load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
 
     rows, accs = res["rows"], res["accs"]

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.runs import main_with_errors
 
 from draftlab.errors import DraftlabError
@@ -85,8 +84,7 @@ def run(argv, args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.now(timezone.utc)
-    load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    busy0, own0, t0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     spec = WorkloadSpec(samples=args.samples, k=args.k, methods=METHODS, max_new_tokens=args.max_new_tokens)
     spec.check()
     # before policies are made for it: the drafter, and whether it fits the target they are made from
@@ -114,8 +112,7 @@ def run(argv, args) -> int:
     online = OnlineDrafters(online_spec, list(METHODS), distill=distil)
     rep = run_workload(policies, spec, problems, online=online)
     online.close()
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0, "wall": time.perf_counter() - t0,
-              "loadavg_start": load0}
+    window = measured.close()
     made_note = f" Policies made here by RAFT ({made:.0f} s)." if made is not None else ""
     text = (to_markdown(rep) + f"\n{len(problems)} problems × {args.samples} samples × {len(policies.entries)} epochs, "
             f"≤ {args.max_new_tokens} new tokens, temperature 1, k = {args.k}, fp32, {cpu_name()}, {torch.get_num_threads()} threads; "

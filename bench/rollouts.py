@@ -29,14 +29,12 @@ section of BENCHMARKS.md rewritten (the one it replaces moves to bench/HISTORY.m
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.runs import main_with_errors
 
 from draftlab.errors import DraftlabError
@@ -104,8 +102,7 @@ def run(argv, args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.now(timezone.utc)
-    load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    busy0, own0, t0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     tmp = None
     if args.policies is None:
         from draftlab.train.raft import make_policies
@@ -161,8 +158,7 @@ def run(argv, args) -> int:
                           f"{budget / none:.3f} |")
         print(tau_lines[-1], file=sys.stderr, flush=True)
         del target
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0, "wall": time.perf_counter() - t0,
-              "loadavg_start": load0}
+    window = measured.close()
     text = (f"τ per epoch ± one standard error with problems as the sampled units (simulation: each drafter replayed over "
             f"the epoch's plain rollouts, all decoding together; chains of k = {k}, min_prob {args.min_prob}):\n\n"
             + "\n".join(tau_lines) + "\n\n"

@@ -34,11 +34,9 @@ section of BENCHMARKS.md (the one it replaces moves to bench/HISTORY.md). ``--qu
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from datetime import datetime, timezone
 
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note
 from bench.runs import main_with_errors
 
 from draftlab.errors import DraftlabError
@@ -149,8 +147,7 @@ def run(argv, args) -> int:
           f"kept lengths {min(lengths)}..{max(lengths) + args.max_new_tokens}; chains of {args.k}; fraction {args.fraction}",
           flush=True)
     cache = PromptCache(target)  # each row of the table prefills the same prompts: once
-    window = {"busy": busy_cpu_seconds(), "own": own_cpu_seconds(), "t0": time.perf_counter(),
-              "loadavg_start": f"{os.getloadavg()[0]:.2f}"}
+    measured = LoadWindow()
     plain = None
     if args.baseline:
         res = generate_plain_batch(target, prompts, args.max_new_tokens, eos_token_id=None, prompt_cache=cache)
@@ -167,8 +164,7 @@ def run(argv, args) -> int:
         rows.append(_row(name, proposer, res, args.k, res.total_time - res.prefill_time, plain))
         r = rows[-1]
         print(f"# {name}: tau {r['tau']:.2f}, keys read {100 * (r['keys'] or 0):.1f}%, {r['tok_s']:.2f} tok/s", flush=True)
-    window["wall"] = time.perf_counter() - window["t0"]
-    window["busy"], window["own"] = busy_cpu_seconds() - window["busy"], own_cpu_seconds() - window["own"]
+    window = measured.close()
     text = (f"{len(prompts)} prompt(s) of {lengths} tokens (the longest held-out ShareGPT), {args.max_new_tokens} new tokens "
             f"each, greedy, eos ignored; chains of {args.k}; fraction {args.fraction}; SmolLM2-135M-Instruct fp32, {cpu_name()}, "
             f"{torch.get_num_threads()} thread(s).\n\n{_table(rows, args.k, plain)}\n\n"

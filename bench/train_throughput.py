@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from bench.capture import decoder_flops
-from bench.machine import busy_cpu_seconds, cpu_name, load_note, measure_fp32_peak, own_cpu_seconds
+from bench.machine import LoadWindow, cpu_name, load_note, measure_fp32_peak
 from bench.sections import append_benchmarks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -240,7 +240,6 @@ def main(argv=None) -> int:
     from draftlab.models.eagle import Eagle3Config, Eagle3Drafter
     from draftlab.models.target import Target
 
-    loadavg_start = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
     target = Target.load("default")
     if target.dtype != torch.float32:
         raise SystemExit(f"the benchmark is fp32; the default target loaded as {target.dtype}")
@@ -273,7 +272,7 @@ def main(argv=None) -> int:
         for run in runs:
             print(f"warm-up {run.name}: {timed(run, k):.2f} s", flush=True)
 
-    busy0, own0, wall0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    measured = LoadWindow()
     rows = []
     for r in range(args.steps):
         k = args.warmup + r
@@ -285,8 +284,7 @@ def main(argv=None) -> int:
               f"({share(row['draftlab'], flops, row['peak']):.1f}%) | speculators {row['speculators']:.0f} tok/s "
               f"({share(row['speculators'], flops, row['peak']):.1f}%) | ratio {row['draftlab'] / row['speculators']:.2f}x",
               flush=True)
-    window = {"busy": busy_cpu_seconds() - busy0, "own": own_cpu_seconds() - own0,
-              "wall": time.perf_counter() - wall0, "loadavg_start": loadavg_start}
+    window = measured.close()
 
     table = make_table(rows, flops, cap_tps, cap_flops, cap_peak)
     note = load_note(window)
