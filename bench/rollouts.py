@@ -15,7 +15,8 @@ each drafter keeping its own history across epochs:
 
 * τ per epoch, ± one standard error with problems as the units: per-request suffix trie (no
   history), DAS per-problem tries with each window of ``--windows`` epochs, and one global trie
-  with the largest window;
+  with the largest window; then paired by problem: each DAS row against the per-request trie,
+  and per-problem against global tries at the largest window;
 * makespan per epoch: the decoder's forward cost fitted as ``c_base + c_tok * n_tokens``
   (``inference.das_budget.measure_costs``, its MRE printed) and the batch's simulated makespan
   without speculation, with every row drafting up to k, and with DAS's budget (short rows 0,
@@ -76,6 +77,10 @@ def _pm(x: float, se: float | None) -> str:
     return f"{x:.2f}" if se is None else f"{x:.2f} ± {se:.2f}"
 
 
+def _signed(x: float, se: float | None) -> str:
+    return f"{x:+.2f}" if se is None else f"{x:+.2f} ± {se:.2f}"
+
+
 def sample_epoch(target, prompts, samples: int, max_new_tokens: int, epoch: int) -> list[tuple[list[int], list[int]]]:
     """[(prompt, response)] of ``samples`` plain rollouts per prompt at temperature 1."""
     from draftlab.inference.decoder import generate_plain_batch
@@ -93,7 +98,7 @@ def run(argv, args) -> int:
 
     from draftlab.inference.das import DASProposer, RolloutHistory
     from draftlab.inference.das_budget import LengthBudget, measure_costs
-    from draftlab.inference.das_sim import makespan, replay_batch, tau, tau_standard_error
+    from draftlab.inference.das_sim import makespan, replay_batch, tau, tau_difference, tau_standard_error
     from draftlab.inference.policies import PolicySequence
     from draftlab.inference.rollout_tasks import make_problems, reward
     from draftlab.inference.rollouts import prompt_of
@@ -129,6 +134,9 @@ def run(argv, args) -> int:
 
     tau_lines = ["| epoch | policy | mean reward | mean length | " + " | ".join(configs) + " |",
                  "|---|---|---|---|" + "---|" * len(configs)]
+    base_name, local, pooled = "suffix (per request)", f"DAS per-problem W={widest}", f"DAS global W={widest}"
+    pairs = [(n, base_name) for n in configs if n != base_name] + [(local, pooled)]
+    diff_lines = ["| epoch | " + " | ".join(f"{a} − {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
     span_lines = ["| epoch | rows | no speculation (s) | uniform k (s) | DAS budget (s) | budget / uniform | budget / none |",
                   "|---|---|---|---|---|---|---|"]
     costs = None
@@ -151,6 +159,8 @@ def run(argv, args) -> int:
         problem_of = [i // args.samples for i in range(len(rows))]  # the interval's units: a problem's samples share its trie
         tau_lines.append(f"| {epoch} | {policies.entries[epoch]} | {sum(rewards) / len(rewards):.2f} | {mean_len:.1f} | "
                          + " | ".join(_pm(tau(t), tau_standard_error(t, problem_of)) for t in traces.values()) + " |")
+        diff_lines.append(f"| {epoch} | " + " | ".join(
+            _signed(*tau_difference(traces[a], traces[b], problem_of)) for a, b in pairs) + " |")
         none = makespan([[(0, 0)] * (len(r) - 1) for _, r in rows], costs)
         uniform = makespan(traces[f"DAS per-problem W={widest}"], costs)
         budget = makespan(with_budget, costs)
@@ -162,6 +172,8 @@ def run(argv, args) -> int:
     text = (f"τ per epoch ± one standard error with problems as the sampled units (simulation: each drafter replayed over "
             f"the epoch's plain rollouts, all decoding together; chains of k = {k}, min_prob {args.min_prob}):\n\n"
             + "\n".join(tau_lines) + "\n\n"
+            f"The same τ paired: differences on the same rollouts, ± one bootstrap standard error resampling problems for "
+            f"both drafters at once:\n\n" + "\n".join(diff_lines) + "\n\n"
             f"Forward cost fitted on draftlab's decoder: c_base = {costs.c_base * 1e3:.2f} ms, c_tok = {costs.c_tok * 1e3:.3f} ms/token "
             f"(MRE {100 * costs.mre:.1f} % over {len(costs.points)} shapes).\n\n"
             f"Makespan of each epoch's batch (simulation fed by the fitted costs; DAS per-problem W={widest}; budget: short 0, "

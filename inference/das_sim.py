@@ -77,6 +77,33 @@ def tau(traces: list[list[tuple[int, int]]]) -> float:
     return 1.0 + sum(a for _, a in steps) / len(steps) if steps else 1.0
 
 
+def tau_difference(traces: list[list[tuple[int, int]]], base: list[list[tuple[int, int]]], groups: list,
+                   draws: int = 2000, seed: int = 0) -> tuple[float, float | None]:
+    """:func:`tau` of ``traces`` minus that of ``base`` (the same rollouts replayed by another
+    drafter) and one bootstrap standard error resampling ``groups`` (problems) for both at once:
+    paired, so what every drafter finds easy or hard on a problem cancels. None with one group."""
+    import random
+
+    units: dict = {}
+    for a, b, g in zip(traces, base, groups, strict=True):
+        u = units.setdefault(g, [0, 0, 0, 0])  # steps and accepted of each
+        u[0] += len(a)
+        u[1] += sum(n for _, n in a)
+        u[2] += len(b)
+        u[3] += sum(n for _, n in b)
+
+    def diff(us):
+        return sum(u[1] for u in us) / max(1, sum(u[0] for u in us)) - sum(u[3] for u in us) / max(1, sum(u[2] for u in us))
+
+    us = list(units.values())
+    if len(us) < 2:
+        return diff(us), None
+    rng = random.Random(seed)
+    samples = [diff([us[rng.randrange(len(us))] for _ in us]) for _ in range(draws)]
+    mean = sum(samples) / draws
+    return diff(us), (sum((x - mean) ** 2 for x in samples) / (draws - 1)) ** 0.5
+
+
 def tau_standard_error(traces: list[list[tuple[int, int]]], groups: list) -> float | None:
     """One standard error of :func:`tau` with ``groups`` (a label per trace: its problem) as the
     sampled units: a problem's samples share its trie and its text, so they are not independent

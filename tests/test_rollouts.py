@@ -18,7 +18,7 @@ import torch
 from draftlab.errors import DraftlabError
 from draftlab.inference.das import DASProposer, PrefixRouter, RolloutHistory
 from draftlab.inference.das_budget import LengthBudget, fit_costs, measure_costs
-from draftlab.inference.das_sim import makespan, replay_batch, tau, tau_standard_error
+from draftlab.inference.das_sim import makespan, replay_batch, tau, tau_difference, tau_standard_error
 from draftlab.inference.decoder import SpeculativeDecoder, generate_plain
 from draftlab.inference.rollout_stats import compare, interval
 from draftlab.inference.rollout_tasks import TASKS, make_problems, parse_tasks, reward
@@ -204,6 +204,18 @@ def test_tau_interval_takes_problems_as_units():
     se = tau_standard_error([low, low, b, b], [0, 0, 1, 1])
     assert se is not None and se > 0.5  # problems at τ 1 and 3
     assert tau_standard_error([low, b], [0, 0]) is None
+
+
+def test_tau_difference_is_paired_by_problem():
+    """Two drafters on the same rollouts: a drafter one token better on every problem differs by
+    exactly 1 with no spread, however unequal the problems are; one problem has no interval."""
+    easy, hard = [(4, 3), (4, 3)], [(4, 0), (4, 0)]
+    better_easy, better_hard = [(4, 4), (4, 4)], [(4, 1), (4, 1)]
+    d, se = tau_difference([better_easy, better_hard], [easy, hard], [0, 1])
+    assert d == pytest.approx(1.0) and se == pytest.approx(0.0)
+    d, se = tau_difference([better_easy, hard], [easy, hard], [0, 1])  # better on one problem only
+    assert d == pytest.approx(0.5) and se > 0.2
+    assert tau_difference([easy], [hard], [0])[1] is None
 
 
 def test_budget_leaves_short_requests_unspeculated(tiny_llama, prompts, alone):
