@@ -1,8 +1,8 @@
 """Drafter families at about equal training time: acceptance curves and speculative decoding per run.
 
     python -m bench.families RUN_DIR [RUN_DIR ...] [--num-prompts 8] [--max-new-tokens 64]
-                             [--static-tree JSON] [--same-tree] [--threads N] [--plot PATH.png] [--no-append]
-                             [--quick]
+                             [--static-tree JSON] [--same-tree] [--pair RUN=BASE ...] [--threads N]
+                             [--plot PATH.png] [--no-append] [--quick]
 
 Each RUN_DIR is the ``output_dir`` of a finished training run (e.g. runs/smollm2-135m-eagle3 and
 runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
@@ -29,7 +29,11 @@ runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
      ``--static-tree``, else none; ``--same-tree``: ``--static-tree`` for every family that
      drafts static trees (Hydra++ against Medusa at the same tree).
 
-Output: one Markdown table (rows: run x prompt set x shape), the acceptance-curve points, and,
+``--pair RUN=BASE`` (run directory names, repeatable): RUN's α_j and τ minus BASE's on every
+prompt set and shape both decoded, paired per prompt (the same prompts: both recipes hold out the
+same conversations) with a bootstrap over prompts (``inference.paired``).
+
+Output: one Markdown table (rows: run x prompt set x shape), the paired differences, the acceptance-curve points, and,
 unless ``--no-append`` or ``--quick``, this benchmark's section of BENCHMARKS.md rewritten with the
 command, the tables, the machine load and the PNG's path (the section it replaces moves to
 bench/HISTORY.md; PNG default bench/figures/families-<UTC time>.png then, otherwise a PNG only
@@ -277,6 +281,33 @@ def results_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired_table(rows: list[dict], pairs: list[tuple[str, str]]) -> str:
+    """RUN − BASE per prompt set and shape both decoded: α_j and τ differences, paired per prompt."""
+    from draftlab.inference.paired import bootstrap, pm
+
+    found = {(row["run"]["name"], row["data"], row["shape"]): row["report"] for row in rows if "report" in row}
+    lines = ["| run − base | prompts | shape | Δα_j (paired) | Δτ (paired) | prompts better / worse in τ |",
+             "|---|---|---|---|---|---|"]
+    for name, base in pairs:
+        for (run, data, shape), rep in found.items():
+            other = found.get((base, data, shape))
+            if run != name or other is None:
+                continue
+            k = min(len(p["reached"]) for p in rep["prompts"] + other["prompts"])
+            st = bootstrap({base: other, name: rep}, k, base=base)[name]
+            alpha = " / ".join(pm(st["diff"][j], st["diff_se"][j]) for j in range(k))
+            lines.append(f"| {name} − {base} | {data} | {shape} | {alpha} | {pm(st['diff'][k], st['diff_se'][k])} | "
+                         f"{st['better']} / {st['worse']} |")
+    return "\n".join(lines)
+
+
+def pair_arg(text: str, names: list[str]) -> tuple[str, str]:
+    run, sep, base = text.partition("=")
+    if not sep or run not in names or base not in names or run == base:
+        raise DraftlabError(f"--pair {text}: expected RUN=BASE, two different run directory names of {names}")
+    return run, base
+
+
 def curve_table(runs: list[dict]) -> str:
     lines = ["| family (run) | step | training min | α_1 | τ | speedup vs plain | greedy match | run's evaluation |",
              "|---|---|---|---|---|---|---|---|"]
@@ -325,6 +356,8 @@ def parse_args(argv):
                    help="tree row of families without a dynamic tree: JSON paths of candidate ranks, or a .json file holding them")
     p.add_argument("--same-tree", action="store_true",
                    help="decode --static-tree for every family that drafts static trees, not their dynamic trees")
+    p.add_argument("--pair", action="append", default=[], metavar="RUN=BASE",
+                   help="RUN's acceptance minus BASE's, paired per prompt (run directory names; repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--plot", default=None, help="PNG of alpha_1 vs training minutes (default when writing BENCHMARKS.md: bench/figures/families-<time>.png)")
     p.add_argument("--no-append", action="store_true", help="print only, do not rewrite this benchmark's section of BENCHMARKS.md")
@@ -359,6 +392,7 @@ def run(argv, args) -> int:
     torch.manual_seed(0)
     static_tree = static_tree_arg(args.static_tree)
     runs = [load_run(a) for a in args.runs]  # every run checked before any model loads
+    pairs = [pair_arg(x, [r["name"] for r in runs]) for x in args.pair]
     spec_bench_note = None
     try:
         from draftlab.presets import spec_bench_path
@@ -392,7 +426,9 @@ def run(argv, args) -> int:
         "evaluation) and greedy match: greedy speculative decoding, "
         f"{args.num_prompts} prompts × {args.max_new_tokens} new tokens per set, measured now."
     )
-    text = (f"{results_table(rows)}\n\n{legend}\n\n"
+    paired = (f"Paired differences (RUN − BASE on the same prompts, ± one bootstrap s.e. over prompts):\n\n"
+              f"{paired_table(rows, pairs)}\n\n" if pairs else "")
+    text = (f"{results_table(rows)}\n\n{legend}\n\n{paired}"
             f"Acceptance curve (the runs' own after-checkpoint reports{', plotted in `' + shown_path(plot) + '`' if plot else ''}):\n\n"
             f"{curve_table(runs)}\n\n{machine}")
     if spec_bench_note:

@@ -52,6 +52,27 @@ def test_results_table_gives_the_draft_time_per_verify_step():
     assert "| 1.50 ± 0.10 | 0.50 | 15.0 | 0.90× | 2/2 |" in lines[2]
 
 
+def test_paired_table_differences_runs_on_the_same_prompts():
+    def rep(accepted):  # one verify step per prompt, k = 2
+        return {"prompts": [{"id": str(i), "tau": 1 + a, "num_steps": 1, "reached": [int(a >= 1), int(a >= 2)]}
+                            for i, a in enumerate(accepted)]}
+
+    def row(name, shape, accepted):
+        return {"run": {"name": name}, "data": "sharegpt-heldout", "shape": shape, "report": rep(accepted)}
+
+    rows = [row("base", "chain k=2", [0, 1, 1, 0]), row("new", "chain k=2", [1, 2, 2, 1]), row("new", "tree", [2, 2, 2, 2]),
+            {"run": {"name": "base"}, "data": "spec-bench", "shape": "chain k=2", "skipped": "not found"}]
+    lines = families.paired_table(rows, [("new", "base")]).splitlines()
+    assert len(lines) == 3  # the tree has no base row to pair with
+    assert lines[2].startswith("| new − base | sharegpt-heldout | chain k=2 | ")
+    assert "| 1.000 ± 0.000 | 4 / 0 |" in lines[2]  # one more token on every prompt: no spread
+    with pytest.raises(families.DraftlabError, match="--pair new: expected RUN=BASE"):
+        families.pair_arg("new", ["new", "base"])
+    with pytest.raises(families.DraftlabError, match="two different run directory names"):
+        families.pair_arg("new=other", ["new", "base"])
+    assert families.pair_arg("new=base", ["new", "base"]) == ("new", "base")
+
+
 def test_same_tree_gives_static_tree_families_the_static_tree():
     """Hydra++ drafts dynamic and static trees, Medusa static ones: --same-tree decodes both at
     --static-tree; without it Hydra++ decodes its recipe's dynamic tree."""
