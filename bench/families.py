@@ -5,7 +5,9 @@
                              [--plot PATH.png] [--no-append] [--quick]
 
 Each RUN_DIR is the ``output_dir`` of a finished training run (e.g. runs/smollm2-135m-eagle3 and
-runs/smollm2-135m-medusa, trained for about the same CPU minutes). Per run:
+runs/smollm2-135m-medusa, trained for about the same CPU minutes), or one of its checkpoints
+(``runs/x/checkpoints/step-0000158``: the run measured at that step, named ``x@158``, for equal
+minutes with a shorter run). Per run:
 
 1. From the run's own files, nothing re-measured: every after-checkpoint report
    ``eval/step-*.json`` (held-out speculative decoding, the recipe's eval shape) paired with the
@@ -120,22 +122,26 @@ def shape_name_from_report(rep: dict) -> str:
 
 
 def load_run(run_arg: str) -> dict:
-    """Everything read from one run directory, checked before any model loads."""
-    from draftlab.checkpoint import read_meta
+    """Everything read from one run directory (or one of its checkpoints: the run measured at that
+    step, named ``run@step``), checked before any model loads."""
+    from draftlab.checkpoint import META, read_meta
 
-    run = Path(run_arg)
-    if not run.is_dir():
-        raise DraftlabError(f"{run}: no such run directory")
+    path = Path(run_arg)
+    if not path.is_dir():
+        raise DraftlabError(f"{path}: no such run directory")
+    at_step = (path / META).is_file()
+    run = path.parent.parent if at_step else path  # <run>/checkpoints/<checkpoint>
     elapsed = elapsed_by_step(run)
     curve = acceptance_curve(run, elapsed)
-    ckpt = checkpoint_of(run)
+    ckpt = path if at_step else checkpoint_of(run)
     meta = read_meta(ckpt)
     recipe = recipe_of(ckpt, meta)
     step = int(meta.get("step", -1))
     minutes = minutes_at(step, elapsed)
     if math.isnan(minutes) and "elapsed_s" in (meta.get("metrics") or {}):
         minutes = float(meta["metrics"]["elapsed_s"]) / 60  # the trainer's metrics at that checkpoint
-    return {"run": run, "name": run.resolve().name, "algorithm": meta["algorithm"], "ckpt": ckpt, "meta": meta,
+    name = run.resolve().name + (f"@{step}" if at_step else "")
+    return {"run": run, "name": name, "algorithm": meta["algorithm"], "ckpt": ckpt, "meta": meta,
             "recipe": recipe, "step": step, "train_min": minutes, "curve": curve}
 
 

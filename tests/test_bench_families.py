@@ -52,6 +52,22 @@ def test_results_table_gives_the_draft_time_per_verify_step():
     assert "| 1.50 ± 0.10 | 0.50 | 15.0 | 0.90× | 2/2 |" in lines[2]
 
 
+def test_a_checkpoint_measures_its_run_at_that_step(tmp_path):
+    """A run's checkpoint stands for the run at that step (equal minutes with a shorter run): its
+    minutes are the trainer's at that step, its curve the whole run's, its name run@step."""
+    run = _run(tmp_path)
+    for step in (2, 4):
+        ckpt = run / "checkpoints" / f"step-{step:07d}"
+        ckpt.mkdir(parents=True)
+        meta = {"format": "draftlab-checkpoint/1", "algorithm": "eagle3", "drafter": {}, "target": {}, "step": step,
+                "recipe": {"algorithm": "eagle3", "output_dir": str(run)}}
+        (ckpt / "draftlab.json").write_text(json.dumps(meta))
+    whole, early = families.load_run(str(run)), families.load_run(str(run / "checkpoints" / "step-0000002"))
+    assert (whole["name"], whole["step"], whole["train_min"]) == ("run", 4, 2.5)
+    assert (early["name"], early["step"], early["train_min"]) == ("run@2", 2, 1.0)
+    assert early["curve"] == whole["curve"] and early["run"] == whole["run"]
+
+
 def test_paired_table_differences_runs_on_the_same_prompts():
     def rep(accepted):  # one verify step per prompt, k = 2
         return {"prompts": [{"id": str(i), "tau": 1 + a, "num_steps": 1, "reached": [int(a >= 1), int(a >= 2)]}
