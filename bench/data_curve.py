@@ -60,7 +60,8 @@ The pieces, each resumable (a rerun skips what is finished; ``--only T`` runs th
 * ``OUT/points/<T>/point.json``: tokens, conversations, training samples, epochs, TTT steps, training
   minutes, α_j, τ and their s.e., greedy match count, the git commit (``+dirty`` with tracked
   changes) when its training ran and when its eval ran, the date. Its presence (at this ``--k``)
-  marks the point finished.
+  marks the point finished. A point whose run directory was lost may be kept as a point.json
+  rebuilt from a published table's row, with ``from_table`` naming the table: the report names it.
 
 Unless ``--no-append``, the table replaces BENCHMARKS.md's section "Data-scaling curve: EAGLE-3
 acceptance against training tokens" (bench/sections.py; the old one moves to bench/HISTORY.md)
@@ -650,8 +651,14 @@ def report_text(curve: Curve, points: list[dict]) -> str:
             f"(first user turns of conversations past {a.prompts_from}) × {a.max_new_tokens} new tokens, chain k={a.k}, "
             f"greedy; α_j pooled over prompts, ± one bootstrap s.e. over prompts; greedy match: prompts whose output equals "
             f"plain decoding's.")
+    carried = [p for p in points if p.get("from_table")]
+    kept = ""
+    if carried:  # points whose run directories were lost: point.json rebuilt from an earlier table's row
+        at = ", ".join(format(p["training_tokens"], ",") for p in carried)
+        sources = "; ".join(sorted({p["from_table"] for p in carried}))
+        kept = f" Points at {at} tokens: carried from {sources} (point.json rebuilt from its row; the run directories were not kept)."
     tail = (f"{slope_line(points)}.\n\nCode: training {', '.join(trains)}; eval {', '.join(evals)}. "
-            f"Machine: {'; '.join(machines)}.")
+            f"Machine: {'; '.join(machines)}.{kept}")
     return f"{head}\n\n{table(points, a.k)}\n\n{tail}"
 
 

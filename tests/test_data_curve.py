@@ -3,6 +3,7 @@ a rerun that skips them, --table-only, the slope fit and the one-line errors."""
 
 import json
 import math
+import shutil
 import sys
 
 import pytest
@@ -107,6 +108,18 @@ def test_table_lists_finished_points_with_slope_na(ran, setup, capsys, benchmark
     assert "Slope per doubling of training tokens" in text and "n/a (2 points" in text
     written = benchmarks.read_text()
     assert f"## {curve.TITLE}" in written and "python -m bench.data_curve" in written
+
+
+def test_a_point_carried_from_an_earlier_table_is_named(ran, setup, tmp_path, capsys):
+    out, _ = ran
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    carried = json.loads((copy / "points" / "400" / "point.json").read_text())
+    carried["from_table"] = "BENCHMARKS.md, an earlier run"
+    (copy / "points" / "400" / "point.json").write_text(json.dumps(carried))
+    assert curve.main(argv(setup, copy, "--table-only", "--no-append")) == 0
+    text = capsys.readouterr().out
+    assert f"Points at {carried['training_tokens']:,} tokens: carried from BENCHMARKS.md, an earlier run" in text
 
 
 def test_rerun_skips_finished_points(ran, setup, monkeypatch, capsys):
