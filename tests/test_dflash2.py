@@ -38,7 +38,8 @@ from draftlab.inference.shapes import Block
 from draftlab.losses.dflash2 import inject_gold
 from draftlab.models.diffusion import DiffusionDrafter
 from draftlab.models.dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Loss, GroupedDynamicConv
-from tiny import assert_follows_target, assert_one_line, edit_checkpoint, random_samples, run_train_script, save_checkpoint, write_chat
+from tiny import (assert_follows_target, assert_one_line, assert_resumes_bitwise, edit_checkpoint, random_samples, save_checkpoint,
+                  spy_drafts, write_chat)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -266,35 +267,7 @@ def test_the_device_loop_drafts_what_the_host_loop_drafts(tiny_llama, drafter, m
     from draftlab.inference.graphs import GraphedTarget
 
     proposer, prompts = DFlash2Proposer(drafter), [tiny_llama.tokenizer(x)["input_ids"] for x in TEXTS]
-    drafted = {"host": [], "device": []}
-    batched, on_device = proposer.batched, proposer.on_device
-
-    def spy_host(n, shape):
-        rows = batched(n, shape)
-        propose = rows.propose
-
-        def spied(s):
-            drafts = propose(s)
-            drafted["host"].append(torch.stack([x.tokens for x in drafts]))
-            return drafts
-
-        rows.propose = spied
-        return rows
-
-    def spy_device(rows, room, shape):
-        dev = on_device(rows, room, shape)
-        draft = dev.draft
-
-        def spied(b, k):
-            drafts = draft(b, k)
-            drafted["device"].append(drafts[:3].clone())
-            return drafts
-
-        dev.draft = spied
-        return dev
-
-    monkeypatch.setattr(proposer, "batched", spy_host)
-    monkeypatch.setattr(proposer, "on_device", spy_device)
+    drafted = spy_drafts(monkeypatch, proposer)
     host = Decoder(tiny_llama, proposer, loop="host").generate(prompts, 16, Block(3))
     dev = Decoder(tiny_llama, proposer, loop="device").generate(prompts, 16, Block(3))
     assert [r.tokens for r in dev.rows] == [r.tokens for r in host.rows]
@@ -566,10 +539,6 @@ def _recipe(tmp_path: Path, target_dir, data: Path, name: str, **edits) -> Path:
     return path
 
 
-def _train(recipe: Path, kill_after=None):
-    return run_train_script("dflash2", recipe, kill_after)
-
-
 @pytest.mark.slow
 def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_dirs, tmp_path):
     """Reports after each checkpoint decode the block greedily to plain decoding's tokens; killed
@@ -578,14 +547,7 @@ def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_
     data = write_chat(tmp_path / "chat.jsonl", 12, assistant_words=20)
     straight = _recipe(tmp_path, tiny_target_dirs["llama"], data, "straight")
     killed = _recipe(tmp_path, tiny_target_dirs["llama"], data, "killed", eval={"enabled": False})
-    res = _train(straight)
-    assert res.returncode == 0, res.stderr[-2000:]
-    res = _train(killed, kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = _train(killed)
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = assert_resumes_bitwise("dflash2", straight, killed)
     assert any("candidate_selector" in k for k in a) and any("attention_conv" in k for k in a)
     for step in (2, 4):
         report = json.loads((tmp_path / "straight" / "eval" / f"step-{step:07d}.json").read_text())

@@ -25,7 +25,8 @@ from draftlab.inference.domino import DominoProposer
 from draftlab.inference.proposer import load_proposer
 from draftlab.inference.shapes import Block
 from draftlab.models.domino import DominoConfig, DominoDrafter, DominoLoss
-from tiny import assert_follows_target, assert_one_line, edit_checkpoint, random_samples, save_checkpoint
+from tiny import (assert_follows_target, assert_one_line, assert_resumes_bitwise, edit_checkpoint, random_samples, save_checkpoint,
+                  spy_drafts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -241,35 +242,7 @@ def test_the_device_loop_drafts_what_the_host_loop_drafts(tiny_llama, prompts, m
 
     proposer = DominoProposer(_strong(_drafter(tiny_llama, vd=64)))
     assert proposer.refuses_on_device(Block(3)) is None
-    drafted = {"host": [], "device": []}
-    batched, on_device = proposer.batched, proposer.on_device
-
-    def spy_host(n, shape):
-        rows = batched(n, shape)
-        propose = rows.propose
-
-        def spied(shape):
-            drafts = propose(shape)
-            drafted["host"].append(torch.stack([x.tokens for x in drafts]))
-            return drafts
-
-        rows.propose = spied
-        return rows
-
-    def spy_device(rows, room, shape):
-        drafter = on_device(rows, room, shape)
-        draft = drafter.draft
-
-        def spied(b, k):
-            drafts = draft(b, k)
-            drafted["device"].append(drafts[:3].clone())
-            return drafts
-
-        drafter.draft = spied
-        return drafter
-
-    monkeypatch.setattr(proposer, "batched", spy_host)
-    monkeypatch.setattr(proposer, "on_device", spy_device)
+    drafted = spy_drafts(monkeypatch, proposer)
     host = Decoder(tiny_llama, proposer, loop="host").generate(prompts, N_NEW, Block(3))
     dev = Decoder(tiny_llama, proposer, loop="device").generate(prompts, N_NEW, Block(3))
     assert [r.tokens for r in dev.rows] == [r.tokens for r in host.rows]
@@ -587,18 +560,6 @@ def _recipe(tmp_path, name, data, target_dir, **train):
     return path
 
 
-def _train(path, kill_after=None):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    killer = [str(repo / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-    return subprocess.run([sys.executable, *killer, "train/domino.py", str(path)], cwd=repo, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
-
-
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_weights_and_schedule_of_an_uninterrupted_one(tmp_path, tiny_target_dirs):
     """train/domino.py on the tiny target reports each checkpoint by real decoding (greedy equals
@@ -610,19 +571,11 @@ def test_a_killed_run_resumes_to_the_weights_and_schedule_of_an_uninterrupted_on
 
     data = str(write_chat(tmp_path / "chat.jsonl", 12, assistant_words=20))
     target = tiny_target_dirs["llama"]
-    straight = _train(_recipe(tmp_path, "straight", data, target))
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert_resumes_bitwise("domino", _recipe(tmp_path, "straight", data, target), _recipe(tmp_path, "killed", data, target),
+                           timeout=900)
     report = json.loads((tmp_path / "straight" / "eval" / "latest.json").read_text())
     assert report["greedy_match"] == "2/2" and report["method"] == "block" and report["step"] == 4
     assert json.loads((tmp_path / "straight" / "eval" / "step-0000002.json").read_text())["greedy_match"] == "2/2"
-
-    path = _recipe(tmp_path, "killed", data, target)
-    res = _train(path, kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = _train(path)
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     def lambdas(run):
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -22,7 +22,7 @@ from draftlab.inference.dspark import DSparkProposer
 from draftlab.inference.proposer import load_proposer
 from draftlab.inference.shapes import Block
 from draftlab.models.dspark import DSparkConfig, DSparkDrafter, DSparkLoss
-from tiny import assert_one_line, edit_checkpoint, random_samples, save_checkpoint
+from tiny import assert_one_line, assert_resumes_bitwise, edit_checkpoint, random_samples, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -319,20 +319,14 @@ def test_train_entry_point_trains_evaluates_and_exports(tmp_path, tiny_target_di
 def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path, tiny_target_dirs):
     """Killed right after its step-2 checkpoint, relaunched with the same command: the step-4
     weights equal a straight run's bit for bit (anchors, Markov head, confidence head and all)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     import yaml
 
     from tiny import write_chat
 
-    repo = Path(__file__).resolve().parent.parent
     data = str(write_chat(tmp_path / "chat.jsonl", 12, assistant_words=20))
 
-    def train(name, kill_after=None):
-        recipe = {
+    def recipe(name):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({
             "algorithm": "dspark", "output_dir": str(tmp_path / name), "target": {"model": str(tiny_target_dirs["llama"])},
             "drafter": {"num_layers": 1, "block_size": 4, "target_layers": [1, 3], "draft_vocab_size": 64, "markov_rank": 8},
             "loss": {"anchors": 8, "l1_weight": 0.2},
@@ -340,16 +334,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path, t
             "capture": {"mode": "memory"},
             "train": {"max_steps": 4, "batch_tokens": 512, "checkpoint_every": 2, "warmup_steps": 1, "lr": 1e-2},
             "eval": {"enabled": False},
-        }
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-        killer = [str(repo / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
-        return subprocess.run([sys.executable, *killer, "train/dspark.py", str(tmp_path / f"{name}.yaml")], cwd=repo,
-                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+        }))
+        return tmp_path / f"{name}.yaml"
 
-    assert train("straight").returncode == 0
-    res = train("killed", kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = train("killed")
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_resumes_bitwise("dspark", recipe("straight"), recipe("killed"))

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from safetensors.torch import load_file
 
 from draftlab import checkpoint as ckpt
 from draftlab.errors import DraftlabError
@@ -30,7 +29,7 @@ from draftlab.inference.hydra import HydraProposer, root_inputs
 from draftlab.inference.proposer import load_proposer
 from draftlab.inference.shapes import Chain, DynamicTree, OptionError, StaticTree
 from draftlab.models.hydra import HydraConfig, HydraDrafter, HydraLoss
-from tiny import assert_one_line, edit_checkpoint, final_hidden, random_samples, run_train_script, save_checkpoint, write_chat
+from tiny import assert_one_line, assert_resumes_bitwise, edit_checkpoint, final_hidden, random_samples, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -349,22 +348,11 @@ def test_the_recipe_is_valid_and_builds_hydra_plus_plus():
 
 
 # ---------------------------------------------------------------------------- the shared trainer
-def _train(recipe: Path, kill_after=None):
-    return run_train_script("hydra", recipe, kill_after)
-
-
 @pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow
 def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_dirs, tmp_path):
     straight = _recipe(tmp_path, tiny_target_dirs["llama"], "straight")
     killed = _recipe(tmp_path, tiny_target_dirs["llama"], "killed", eval={"enabled": False})
-    res = _train(straight)
-    assert res.returncode == 0, res.stderr[-2000:]
-    res = _train(killed, kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = _train(killed)
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = assert_resumes_bitwise("hydra", straight, killed)
     report = json.loads((tmp_path / "straight" / "eval" / "latest.json").read_text())
     assert report["greedy_match"] == "2/2" and report["step"] == 4 and len(report["alpha"]) == 3
     metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]

@@ -5,9 +5,6 @@ target, the greedy divergence of merged vs original, export, kill-and-resume, on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import peft
@@ -28,7 +25,8 @@ from draftlab.inference.proposer import load_proposer
 from draftlab.inference.shapes import Chain, StaticTree
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter
 from draftlab.models.medusa2 import LORA_TARGETS, Medusa2Config, Medusa2Drafter, Medusa2Loss
-from tiny import assert_one_line, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint, write_chat
+from tiny import (assert_one_line, assert_resumes_bitwise, edit_checkpoint, final_hidden, padded_batch, random_samples, save_checkpoint,
+                  write_chat)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -300,25 +298,11 @@ def _recipe(tmp_path, target_dir, name, eval_enabled):
     return path
 
 
-def _run(recipe, kill_after=None):
-    """``train/medusa2.py RECIPE``; ``kill_after=N``: SIGKILLed right after the step-N checkpoint."""
-    killer = ["tests/kill_after_checkpoint.py", str(kill_after)] if kill_after else []
-    e = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *killer, "train/medusa2.py", str(recipe)], cwd=REPO, capture_output=True, text=True, env=e, timeout=300)
-
-
 @pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow
 def test_train_entry_point_resumes_bitwise_after_a_kill(tmp_path, tiny_target_dirs):
     target_dir = tiny_target_dirs["llama"]
-    res = _run(_recipe(tmp_path, target_dir, "straight", eval_enabled=True))
-    assert res.returncode == 0, res.stderr[-2000:]
-    killed = _recipe(tmp_path, target_dir, "killed", eval_enabled=False)
-    res = _run(killed, kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = _run(killed)
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = assert_resumes_bitwise("medusa2", _recipe(tmp_path, target_dir, "straight", eval_enabled=True),
+                               _recipe(tmp_path, target_dir, "killed", eval_enabled=False), timeout=300)
     assert any(k.startswith("lora.") for k in a) and not any("embed" in k or "self_attn.q_proj.weight" in k for k in a)
     report = json.loads((tmp_path / "straight" / "eval" / "latest.json").read_text())
     assert report["drafter"] == "medusa2" and report["greedy_match"] == "2/2"

@@ -38,7 +38,7 @@ from draftlab.inference.shapes import Chain, DynamicTree, StaticTree
 from draftlab.losses.eagle import shift_left
 from draftlab.losses.mtp import step_weights
 from draftlab.models.mtp import MtpConfig, MtpDrafter, MtpLoss
-from tiny import assert_one_line, random_samples, run_train_script, save_checkpoint, write_chat
+from tiny import assert_one_line, assert_resumes_bitwise, random_samples, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -350,22 +350,11 @@ def test_the_shipped_recipe_is_a_k3_mtp_run():
     assert (r.eval.method, r.eval.k) == ("chain", 3) and cfg.num_layers == 1
 
 
-def _train(recipe: Path, kill_after=None):
-    return run_train_script("mtp", recipe, kill_after)
-
-
 @pytest.mark.slow  # the shared trainer's resume is in the default suite (test_train.py); this family's with -m slow
 def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_dirs, tmp_path):
     straight = _recipe(tmp_path, tiny_target_dirs["llama"], "straight")
     killed = _recipe(tmp_path, tiny_target_dirs["llama"], "killed", eval={"enabled": False})
-    res = _train(straight)
-    assert res.returncode == 0, res.stderr[-2000:]
-    res = _train(killed, kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = _train(killed)
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = assert_resumes_bitwise("mtp", straight, killed)
     metrics = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 4 and all(len(m["loss_steps"]) == 3 for m in metrics if "loss_steps" in m)

@@ -31,7 +31,7 @@ from draftlab.inference.shapes import Block, Chain, DynamicTree, OptionError
 from draftlab.losses.eagle import shift_left
 from draftlab.losses.peagle import cod_anchors
 from draftlab.models.peagle import PEagleConfig, PEagleDrafter, PEagleLoss
-from tiny import assert_one_line, random_samples, run_train_script, save_checkpoint, write_chat
+from tiny import assert_one_line, assert_resumes_bitwise, random_samples, save_checkpoint, write_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parent.parent
@@ -292,21 +292,10 @@ def test_recipe_refuses_bad_fields_in_one_line(section, values, says, tiny_targe
     assert_one_line(e, __import__("re").escape(says))
 
 
-def _train(recipe: Path, kill_after=None):
-    return run_train_script("peagle", recipe, kill_after)
-
-
 @pytest.mark.slow
 def test_the_shared_trainer_trains_reports_and_resumes_a_killed_run(tiny_target_dirs, tmp_path):
     straight = _recipe(tmp_path, tiny_target_dirs["llama"], "straight")
     killed = _recipe(tmp_path, tiny_target_dirs["llama"], "killed", eval={"enabled": False})
-    res = _train(straight)
-    assert res.returncode == 0, res.stderr[-2000:]
-    res = _train(killed, kill_after=2)
-    assert res.returncode != 0 and ckpt.list_checkpoints(tmp_path / "killed")[-1].name == "step-0000002"
-    res = _train(killed)
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
-    a, b = (load_file(ckpt.step_dir(tmp_path / run, 4) / ckpt.WEIGHTS) for run in ("straight", "killed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = assert_resumes_bitwise("peagle", straight, killed)
     report = json.loads((tmp_path / "straight" / "eval" / "latest.json").read_text())
     assert report["greedy_match"] == "2/2" and report["step"] == 4 and len(report["alpha"]) == 3

@@ -21,7 +21,7 @@ from draftlab.models.drafter import DRAFTERS
 from draftlab.models.diffusion import DiffusionConfig, DiffusionDrafter
 from draftlab.models.eagle import Eagle3Config, Eagle3Drafter
 from draftlab.models.medusa import MedusaConfig, MedusaDrafter
-from tiny import random_samples
+from tiny import random_samples, spy_drafts
 
 TEXTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "1 2 3", "Hello",
          "A longer prompt that goes on for a while so the rows differ in length"]
@@ -120,36 +120,7 @@ def test_other_families_equal_the_host_loop(tiny_llama, prompts, family, monkeyp
     compared too: a drafter whose drafts are all rejected would decode the target's tokens anyway)."""
     proposer = family(tiny_llama)
     shape = Block(3) if family in (_diffusion, _dspark) else Chain(3)
-    drafted = {"host": [], "device": []}
-    batched = proposer.batched
-
-    def spy_host(n, shape):
-        rows = batched(n, shape)
-        propose = rows.propose
-
-        def spied(shape):
-            drafts = propose(shape)
-            drafted["host"].append(torch.stack([d.tokens for d in drafts]))
-            return drafts
-
-        rows.propose = spied
-        return rows
-
-    on_device = proposer.on_device
-
-    def spy_device(rows, room, k):
-        drafter = on_device(rows, room, k)
-        draft = drafter.draft
-        def spied(b, k):
-            drafts = draft(b, k)
-            drafted["device"].append(drafts[:3].clone())
-            return drafts
-
-        drafter.draft = spied
-        return drafter
-
-    monkeypatch.setattr(proposer, "batched", spy_host)
-    monkeypatch.setattr(proposer, "on_device", spy_device)
+    drafted = spy_drafts(monkeypatch, proposer)
     host = _decode(tiny_llama, proposer, prompts[:3], shape, "host")
     dev = _decode(tiny_llama, proposer, prompts[:3], shape, "device")
     assert [r.tokens for r in dev.rows] == [r.tokens for r in host.rows]

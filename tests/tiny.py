@@ -255,3 +255,61 @@ def run_train_script(family: str, recipe: Path, kill_after: int | None = None, t
     killer = [str(repo / "tests" / "kill_after_checkpoint.py"), str(kill_after)] if kill_after else []
     return subprocess.run([sys.executable, *killer, str(repo / "train" / f"{family}.py"), str(recipe)], cwd=repo,
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
+
+
+def assert_resumes_bitwise(family: str, straight: Path, killed: Path, step: int = 4, timeout: int = 600) -> dict[str, torch.Tensor]:
+    """``python train/<family>.py`` of ``straight`` through; of ``killed``, SIGKILLed once checkpoint 2
+    is written, then launched again: it resumes, and both runs' weights at ``step`` are equal to the
+    bit. Returns those weights."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from draftlab import checkpoint as ckpt
+
+    def run_dir(recipe: Path) -> Path:
+        return Path(yaml.safe_load(recipe.read_text())["output_dir"])
+
+    res = run_train_script(family, straight, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_train_script(family, killed, kill_after=2, timeout=timeout)
+    assert res.returncode != 0 and ckpt.list_checkpoints(run_dir(killed))[-1].name == "step-0000002"
+    res = run_train_script(family, killed, timeout=timeout)
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-2000:]
+    a, b = (load_file(ckpt.step_dir(run_dir(r), step) / ckpt.WEIGHTS) for r in (straight, killed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a
+
+
+def spy_drafts(monkeypatch, proposer) -> dict[str, list[torch.Tensor]]:
+    """Record what ``proposer`` drafts in each loop: ``host`` (each step's stacked chains of every
+    row) and ``device`` (each step's drafts of the first three rows)."""
+    drafted = {"host": [], "device": []}
+    batched, on_device = proposer.batched, proposer.on_device
+
+    def spy_host(n, shape):
+        rows = batched(n, shape)
+        propose = rows.propose
+
+        def spied(s):
+            drafts = propose(s)
+            drafted["host"].append(torch.stack([d.tokens for d in drafts]))
+            return drafts
+
+        rows.propose = spied
+        return rows
+
+    def spy_device(rows, room, shape):
+        drafter = on_device(rows, room, shape)
+        draft = drafter.draft
+
+        def spied(b, k):
+            drafts = draft(b, k)
+            drafted["device"].append(drafts[:3].clone())
+            return drafts
+
+        drafter.draft = spied
+        return drafter
+
+    monkeypatch.setattr(proposer, "batched", spy_host)
+    monkeypatch.setattr(proposer, "on_device", spy_device)
+    return drafted
