@@ -129,6 +129,7 @@ def _table(rows: list[dict], k: int, baseline) -> str:
 
 def run(argv, args) -> int:
     import torch
+    from tqdm import tqdm
 
     from draftlab.inference.decoder import Decoder, generate_plain_batch
     from draftlab.inference.prefill import PromptCache
@@ -159,8 +160,10 @@ def run(argv, args) -> int:
                 for b in args.budgets]
     rows = []
     for name, proposer in configs:
-        res = Decoder(target, proposer).generate(prompts, args.max_new_tokens, Chain(args.k), eos_token_id=None,
-                                                 prompt_cache=cache)
+        # a row is minutes to an hour on a CPU: its tokens so far, every half minute
+        with tqdm(total=len(prompts) * args.max_new_tokens, desc=name, unit="tok", mininterval=30) as bar:
+            res = Decoder(target, proposer).generate(prompts, args.max_new_tokens, Chain(args.k), eos_token_id=None,
+                                                     prompt_cache=cache, on_step=lambda row, tokens: bar.update(len(tokens)))
         rows.append(_row(name, proposer, res, args.k, res.total_time - res.prefill_time, plain))
         r = rows[-1]
         print(f"# {name}: tau {r['tau']:.2f}, keys read {100 * (r['keys'] or 0):.1f}%, {r['tok_s']:.2f} tok/s", flush=True)
