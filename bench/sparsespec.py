@@ -2,7 +2,8 @@
 against a StreamingLLM-style sliding window (``--drafter streaming``) at the same key budget.
 
     python -m bench.sparsespec [--prompts 2] [--max-new-tokens 4096] [--k 8] [--budgets 128,32]
-                               [--fraction 0.05] [--strides 8,32] [--sink 16] [--baseline]
+                               [--fraction 0.05] [--strides 8,32] [--sink 16] [--drafters sparsespec,streaming]
+                               [--baseline]
                                [--threads N] [--quick] [--no-append]
 
 Target: the embedded SmolLM2-135M-Instruct (fp32; 8192 positions). Greedy, eos ignored: every
@@ -13,7 +14,7 @@ table through the real decoder (``inference.decoder.Decoder``), chains of ``--k`
 Rows: sparsespec at each budget (K = max(budget, ceil(fraction * L)), L the row's kept length)
 and each stride (draft steps between refreshes of the selection; k = stride refreshes at every
 verify, as the paper does); streaming (the first ``--sink`` keys and the most recent, K in all)
-at each budget and the first stride. Columns: alpha_j (conditional acceptance at draft depth j),
+at each budget and the first stride (``--drafters`` keeps one kind of row). Columns: alpha_j (conditional acceptance at draft depth j),
 tau (tokens per verify step), the share of past keys the draft steps read per layer and KV head
 against full attention, selections made, and the times of this run (``--baseline``: plain
 decoding of the same batch, its tokens/s, and whether greedy output matched); tokens/s leave the
@@ -63,6 +64,7 @@ def parse_args(argv):
     p.add_argument("--fraction", type=float, default=0.05, help="K's share of the kept length (the paper's 0.05)")
     p.add_argument("--strides", default="8,32", help="draft steps between refreshes")
     p.add_argument("--sink", type=int, default=16, help="streaming: first keys always kept (the reference's 16)")
+    p.add_argument("--drafters", default="sparsespec,streaming", help="which rows: sparsespec, streaming or both")
     p.add_argument("--baseline", action="store_true", help="also decode plainly: tokens/s and the greedy match")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="1 prompt, 48 tokens, k 4, one budget and stride")
@@ -71,6 +73,9 @@ def parse_args(argv):
     if args.quick:
         args.prompts, args.max_new_tokens, args.k, args.budgets, args.strides = 1, 48, 4, "32", "4"
     args.budgets, args.strides = _ints(args.budgets, "--budgets"), _ints(args.strides, "--strides")
+    args.drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if not args.drafters or not set(args.drafters) <= {"sparsespec", "streaming"}:
+        raise DraftlabError(f"--drafters: expected sparsespec, streaming or both, comma-separated, got {','.join(args.drafters)!r}")
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise DraftlabError("--prompts and --max-new-tokens must be >= 1")
     from draftlab.inference.sparsespec import SparseSpecProposer, StreamingProposer
@@ -155,9 +160,9 @@ def run(argv, args) -> int:
         plain = [r.tokens for r in res.rows]
         print(f"# plain decoding: {res.num_tokens / (res.total_time - res.prefill_time):.2f} tok/s", flush=True)
     configs = [(f"sparsespec K≥{b} stride {s}", SparseSpecProposer(b, args.fraction, s))
-               for b in args.budgets for s in args.strides]
+               for b in args.budgets for s in args.strides if "sparsespec" in args.drafters]
     configs += [(f"streaming K≥{b} sink {args.sink}", StreamingProposer(b, args.fraction, args.strides[0], args.sink))
-                for b in args.budgets]
+                for b in args.budgets if "streaming" in args.drafters]
     rows = []
     for name, proposer in configs:
         # a row is minutes to an hour on a CPU: its tokens so far, every half minute

@@ -351,3 +351,23 @@ def test_cli(tiny_target_dirs, tmp_path, capsys):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--drafters", "pillar"], "--drafters: expected sparsespec, streaming or both"),
+    (["--budgets", "0"], "--budgets: expected integers >= 1"),
+    (["--strides", "x"], "--strides: expected comma-separated integers"),
+])
+def test_the_bench_refuses_bad_flags_in_one_line(argv, message, capsys):
+    from bench import sparsespec as bench
+
+    assert bench.main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_the_bench_runs_the_rows_asked_for():
+    from bench import sparsespec as bench
+
+    args = bench.parse_args(["--drafters", "sparsespec", "--budgets", "32", "--strides", "8,16"])
+    assert args.drafters == ["sparsespec"] and args.strides == [8, 16]
