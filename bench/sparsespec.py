@@ -101,6 +101,17 @@ def _prompts(target, n: int, max_new_tokens: int) -> list[list[int]]:
     return prompts
 
 
+def repeated_share(prompt: list[int], tokens: list[int], n: int = 8) -> float:
+    """Share of ``tokens`` whose n-gram (it and the n - 1 before it, prompt included) already
+    occurred earlier in the row: how much of a generation copies its own context."""
+    seq, seen, hits = list(prompt) + list(tokens), set(), 0
+    for i in range(n, len(seq) + 1):
+        gram = tuple(seq[i - n:i])
+        hits += i > len(prompt) and gram in seen
+        seen.add(gram)
+    return hits / max(len(tokens), 1)
+
+
 def _row(name: str, proposer, res, k: int, seconds: float, plain) -> dict:
     from draftlab.inference.metrics import AcceptanceStats, tau_standard_error
 
@@ -154,11 +165,13 @@ def run(argv, args) -> int:
           flush=True)
     cache = PromptCache(target)  # each row of the table prefills the same prompts: once
     measured = LoadWindow()
-    plain = None
+    plain = repeats = None
     if args.baseline:
         res = generate_plain_batch(target, prompts, args.max_new_tokens, eos_token_id=None, prompt_cache=cache)
         plain = [r.tokens for r in res.rows]
-        print(f"# plain decoding: {res.num_tokens / (res.total_time - res.prefill_time):.2f} tok/s", flush=True)
+        repeats = [repeated_share(p, t) for p, t in zip(prompts, plain)]
+        print(f"# plain decoding: {res.num_tokens / (res.total_time - res.prefill_time):.2f} tok/s; new tokens whose "
+              f"8-gram occurred earlier in the row: {', '.join(f'{100 * x:.0f}%' for x in repeats)}", flush=True)
     configs = [(f"sparsespec K≥{b} stride {s}", SparseSpecProposer(b, args.fraction, s))
                for b in args.budgets for s in args.strides if "sparsespec" in args.drafters]
     configs += [(f"streaming K≥{b} sink {args.sink}", StreamingProposer(b, args.fraction, args.strides[0], args.sink))
@@ -179,7 +192,10 @@ def run(argv, args) -> int:
             f"τ ± one standard error with prompts as the sampled units (two or more prompts). "
             f"keys read: past keys a draft step attended per layer and KV head, over a full-attention step's, pooled "
             f"over rows and draft steps; the first selection of sparsespec comes from the first verify (the drafts before "
-            f"it attend to every key). {load_note(window)}.\n")
+            f"it attend to every key)."
+            + ("" if repeats is None else f" Plain decoding's new tokens whose 8-gram occurred earlier in their row (a copy "
+               f"of the row's own context): {', '.join(f'{100 * x:.0f}%' for x in repeats)}.")
+            + f" {load_note(window)}.\n")
     print()
     print(text)
     if not (args.quick or args.no_append):

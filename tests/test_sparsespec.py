@@ -371,3 +371,11 @@ def test_the_bench_runs_the_rows_asked_for():
 
     args = bench.parse_args(["--drafters", "sparsespec", "--budgets", "32", "--strides", "8,16"])
     assert args.drafters == ["sparsespec"] and args.strides == [8, 16]
+
+
+def test_repeated_share_counts_new_tokens_that_copy_their_context():
+    from bench.sparsespec import repeated_share
+
+    assert repeated_share([1, 2, 3], [1, 2, 3, 1, 2], n=2) == 4 / 5  # (3,1) is new; the rest occurred before
+    assert repeated_share([5, 6], [7, 8, 9], n=2) == 0.0
+    assert repeated_share([], [4, 4, 4, 4], n=2) == 2 / 4  # (4,4) first completes at the second token
