@@ -169,9 +169,9 @@ def run(argv, args) -> int:
     if args.baseline:
         res = generate_plain_batch(target, prompts, args.max_new_tokens, eos_token_id=None, prompt_cache=cache)
         plain = [r.tokens for r in res.rows]
-        repeats = [repeated_share(p, t) for p, t in zip(prompts, plain)]
+        repeats = ", ".join(f"{100 * repeated_share(p, t):.0f}%" for p, t in zip(prompts, plain))
         print(f"# plain decoding: {res.num_tokens / (res.total_time - res.prefill_time):.2f} tok/s; new tokens whose "
-              f"8-gram occurred earlier in the row: {', '.join(f'{100 * x:.0f}%' for x in repeats)}", flush=True)
+              f"8-gram occurred earlier in the row: {repeats}", flush=True)
     configs = [(f"sparsespec K≥{b} stride {s}", SparseSpecProposer(b, args.fraction, s))
                for b in args.budgets for s in args.strides if "sparsespec" in args.drafters]
     configs += [(f"streaming K≥{b} sink {args.sink}", StreamingProposer(b, args.fraction, args.strides[0], args.sink))
@@ -194,7 +194,7 @@ def run(argv, args) -> int:
             f"over rows and draft steps; the first selection of sparsespec comes from the first verify (the drafts before "
             f"it attend to every key)."
             + ("" if repeats is None else f" Plain decoding's new tokens whose 8-gram occurred earlier in their row (a copy "
-               f"of the row's own context): {', '.join(f'{100 * x:.0f}%' for x in repeats)}.")
+               f"of the row's own context): {repeats}.")
             + f" {load_note(window)}.\n")
     print()
     print(text)
